@@ -1,0 +1,24 @@
+# Two set-up commands: `make demo` and `make test`. Both create .venv when it is
+# missing and install the project with the pins in $(CONSTRAINTS).
+PYTHON ?= python3
+CONSTRAINTS ?= constraints.txt
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test parity bench clean
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[torch,test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m jaxaccum.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info
