@@ -94,6 +94,10 @@ class MultiStepsState(NamedTuple):
 
 PER_DEVICE_FIELDS = ("grad_sum", "loss_sum", "count")
 
+# How the boundary is skipped between boundaries: "while" (default) or "cond".
+# Kept switchable for the benchmark that compares them.
+_BOUNDARY_IMPL = "while"
+
 
 def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], jax.Array]:
   if isinstance(every_k_schedule, bool) or not (
@@ -361,12 +365,26 @@ def multi_steps(
     def zero_updates() -> Any:
       return jax.tree.map(jnp.zeros_like, grads if params is None else params)
 
-    def boundary(_) -> tuple:
+    class Boundary(NamedTuple):
+      """What the boundary reads and writes (explicit operands, no closures)."""
+
+      updates: Any
+      inner_state: Any
+      update_id: jax.Array
+      cumulative_count: jax.Array
+      skip_count: jax.Array
+      applied: jax.Array
+      record: WindowRecord
+      grad_sum: Any
+      loss_sum: jax.Array
+      count: jax.Array
+
+    def boundary(current: Boundary) -> Boundary:
       unstack = (lambda x: x[0]) if per_device else (lambda x: x)
       totals = normalize_window(
-          jax.tree.map(unstack, grad_sum),
-          unstack(loss_sum),
-          unstack(count_sum),
+          jax.tree.map(unstack, current.grad_sum),
+          unstack(current.loss_sum),
+          unstack(current.count),
           axis_name=axis_name,
       )
       window_grads, norm_clipped = clip_by_global_norm(
@@ -376,19 +394,18 @@ def multi_steps(
       nonempty = totals.window_count > 0
       apply = finite & nonempty
       inner_updates, new_inner = inner.update(
-          window_grads, state.inner_state, params, **extra_args
+          window_grads, current.inner_state, params, **extra_args
       )
       # Keep the inner state's dtypes (e.g. bf16 moments fed float32 grads).
       new_inner = jax.tree.map(
           lambda new, old: jnp.where(apply, new.astype(old.dtype), old),
           new_inner,
-          state.inner_state,
+          current.inner_state,
       )
-      reference = zero_updates()
       new_updates = jax.tree.map(
           lambda u, r: jnp.where(apply, u, 0).astype(r.dtype),
           inner_updates,
-          reference,
+          current.updates,
       )
       skip_reason = jnp.where(
           apply, APPLIED, jnp.where(nonempty, SKIP_NONFINITE, SKIP_EMPTY)
@@ -402,32 +419,52 @@ def multi_steps(
           skipped=~apply,
           skip_reason=skip_reason,
       )
-      return (
-          new_updates,
-          new_inner,
-          state.update_id + apply.astype(jnp.int32),
-          state.cumulative_count + jnp.where(apply, totals.window_count, 0.0),
-          state.skip_count + (~apply).astype(jnp.int32),
-          apply,
-          record,
+      # The window is consumed: reset its sums with fresh zeros (a select,
+      # never a multiplication by a mask: 0 * NaN = NaN).
+      return current._replace(
+          grad_sum=jax.tree.map(jnp.zeros_like, current.grad_sum),
+          loss_sum=jnp.zeros_like(current.loss_sum),
+          count=jnp.zeros_like(current.count),
+          updates=new_updates,
+          inner_state=new_inner,
+          update_id=current.update_id + apply.astype(jnp.int32),
+          cumulative_count=current.cumulative_count
+          + jnp.where(apply, totals.window_count, 0.0),
+          skip_count=current.skip_count + (~apply).astype(jnp.int32),
+          applied=apply,
+          record=record,
       )
 
-    def accumulate_only(_) -> tuple:
-      return (
-          zero_updates(),
-          state.inner_state,
-          state.update_id,
-          state.cumulative_count,
-          state.skip_count,
-          jnp.zeros((), jnp.bool_),
-          state.last_window,
+    between = Boundary(
+        updates=zero_updates(),
+        inner_state=state.inner_state,
+        update_id=state.update_id,
+        cumulative_count=state.cumulative_count,
+        skip_count=state.skip_count,
+        applied=jnp.zeros((), jnp.bool_),
+        record=state.last_window,
+        grad_sum=grad_sum,
+        loss_sum=loss_sum,
+        count=count_sum,
+    )
+    if _BOUNDARY_IMPL == "cond":
+      out = jax.lax.cond(close, boundary, lambda current: current, between)
+    else:
+      # A loop that runs once at a boundary and zero times in between. XLA
+      # updates a while loop's carry in place, so between boundaries the
+      # inner state is neither copied nor touched (a cond copies it into its
+      # result on every call). Every value the boundary reads is in the carry,
+      # so nothing can be hoisted out of the loop and run every micro-step.
+      _, out = jax.lax.while_loop(
+          lambda carry: carry[0],
+          lambda carry: (jnp.zeros((), jnp.bool_), boundary(carry[1])),
+          (close, between),
       )
+    new_updates, inner_state = out.updates, out.inner_state
+    update_id, cumulative_count, skip_count = (
+        out.update_id, out.cumulative_count, out.skip_count)
+    applied, record = out.applied, out.record
 
-    (new_updates, inner_state, update_id, cumulative_count, skip_count,
-     applied, record) = jax.lax.cond(close, boundary, accumulate_only, None)
-
-    # Reset with a select, never by multiplying with a mask (0 * NaN = NaN).
-    reset = lambda x: jnp.where(close, jnp.zeros_like(x), x)
     new_state = MultiStepsState(
         window_step=jnp.where(close, 0, window_step).astype(jnp.int32),
         micro_step=micro_step,
@@ -436,9 +473,9 @@ def multi_steps(
         skip_count=skip_count,
         applied=applied,
         inner_state=inner_state,
-        grad_sum=jax.tree.map(reset, grad_sum),
-        loss_sum=reset(loss_sum),
-        count=reset(count_sum),
+        grad_sum=out.grad_sum,
+        loss_sum=out.loss_sum,
+        count=out.count,
         last_window=record,
     )
     return new_updates, new_state

@@ -103,3 +103,58 @@ def max_abs_diff(a: Any, b: Any) -> float:
       float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
       for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
   )
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  """Splits HLO module text into ``{computation name: its instruction lines}``."""
+  computations: dict[str, list[str]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith("{"):
+      header = line.split("(")[0].replace("ENTRY", "").strip()
+      current = header.lstrip("%")
+      computations[current] = []
+      if line.startswith("ENTRY"):
+        computations["__entry__"] = computations[current]
+    elif current is not None:
+      computations[current].append(line)
+  return computations
+
+
+def all_reduce_placement(hlo_text: str) -> dict[str, Any]:
+  """Where the all-reduces of a compiled program sit.
+
+  Returns ``{'total', 'entry', 'branches': [count per branch of each
+  conditional], 'loop_bodies'}``: the number of all-reduce instructions in the
+  whole module, in the entry computation, in each branch computation of each
+  conditional (in order), and in while-loop bodies.
+  """
+  import re
+
+  computations = _computations(hlo_text)
+  count = lambda name: sum(
+      " all-reduce(" in line or " all-reduce-start(" in line
+      for line in computations.get(name, [])
+  )
+  branches, bodies = [], []
+  for name, lines in computations.items():
+    if name == "__entry__":
+      continue  # an alias of the entry computation, already visited
+    for line in lines:
+      found = re.search(r"branch_computations=\{([^}]*)\}", line)
+      if found is None:
+        found = re.search(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", line)
+        names = list(found.groups()) if found else []
+      else:
+        names = [n.strip().lstrip("%") for n in found.group(1).split(",")]
+      if names:
+        branches.append([count(n) for n in names])
+      body = re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)
+      if body:
+        bodies.append(body.group(1))
+  return {
+      "total": sum(count(n) for n in computations if n != "__entry__"),
+      "entry": count("__entry__"),
+      "branches": branches,
+      "loop_bodies": sum(count(b) for b in set(bodies)),
+  }
