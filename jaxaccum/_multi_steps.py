@@ -8,6 +8,7 @@ window boundary (see ``_normalize.py``), after one ``psum`` across devices.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -26,6 +27,42 @@ APPLIED = 0
 SKIP_EMPTY = 1  # the global count of loss units was 0 (or negative)
 SKIP_NONFINITE = 2  # the normalized gradient or the loss was NaN or inf
 SKIP_REASONS = {APPLIED: "applied", SKIP_EMPTY: "empty", SKIP_NONFINITE: "nonfinite"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+  """fp16 dynamic loss scaling per window, PyTorch ``GradScaler``'s schedule.
+
+  The scale is constant inside a window. At the boundary the gradient is
+  unscaled once; a non-finite window is skipped and the scale multiplied by
+  ``backoff_factor``; after ``growth_interval`` consecutive applied windows it
+  is multiplied by ``growth_factor``. Empty windows change nothing.
+
+  Attributes:
+    init_scale: the first scale (PyTorch's default 2**16).
+    growth_factor: > 1.
+    backoff_factor: in (0, 1).
+    growth_interval: applied windows between growths, >= 1.
+  """
+
+  init_scale: float = 2.0**16
+  growth_factor: float = 2.0
+  backoff_factor: float = 0.5
+  growth_interval: int = 2000
+
+  def __post_init__(self):
+    checks = [
+        ("init_scale", self.init_scale > 0 and np.isfinite(self.init_scale), "> 0"),
+        ("growth_factor", self.growth_factor > 1, "> 1"),
+        ("backoff_factor", 0 < self.backoff_factor < 1, "in (0, 1)"),
+        ("growth_interval", isinstance(self.growth_interval, numbers.Integral)
+         and self.growth_interval >= 1, "an int >= 1"),
+    ]
+    for name, ok, expected in checks:
+      if not ok:
+        raise ValueError(
+            f"DynamicLossScale: `{name}` must be {expected}; got {getattr(self, name)!r}."
+        )
 
 
 class WindowRecord(NamedTuple):
@@ -71,6 +108,10 @@ class MultiStepsState(NamedTuple):
     cumulative_count: float32, global loss units of all applied windows.
     skip_count: int32, windows skipped since ``init``.
     applied: bool, whether the call that returned this state applied an update.
+    loss_scale: float32, the factor the summed loss is multiplied by before
+      differentiation (fp16 loss scaling; 1 without it). Constant in a window.
+    good_windows: int32, applied windows since the loss scale last changed
+      (PyTorch's growth tracker).
     inner_state: the inner optimizer's state.
     grad_sum: per device, the sum over the open window of the gradients of the
       summed loss (``accumulator_dtype``, float32 by default).
@@ -85,6 +126,8 @@ class MultiStepsState(NamedTuple):
   cumulative_count: jax.Array
   skip_count: jax.Array
   applied: jax.Array
+  loss_scale: jax.Array
+  good_windows: jax.Array
   inner_state: Any
   grad_sum: Any
   loss_sum: jax.Array
@@ -230,6 +273,8 @@ def multi_steps(
     axis_name: AxisName | None = None,
     max_grad_norm: float | None = None,
     accumulator_dtype: Any = jnp.float32,
+    loss_scaling: DynamicLossScale | None = None,
+    nonfinite: str = "skip",
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates ``k`` micro-batches into one big-batch update of ``inner``.
 
@@ -270,6 +315,15 @@ def multi_steps(
       (PyTorch's ``clip_grad_norm_`` formula), once per window.
     accumulator_dtype: dtype of the gradient sums (float32 by default, also
       for bf16 parameters).
+    loss_scaling: a :class:`DynamicLossScale` for fp16 training, or ``None``.
+      Multiply the summed loss by ``jaxaccum.loss_scale(state)`` before
+      differentiating (``jaxaccum.value_and_grad`` does it); pass the
+      UNSCALED ``loss_sum`` to ``update``.
+    nonfinite: what a window with a NaN/inf gradient or loss does: ``"skip"``
+      (default: dropped as a whole, counted in ``skip_count``) or ``"raise"``
+      (also dropped, and the call fails with a ``FloatingPointError`` naming
+      the window: a host callback, so it surfaces as a runtime error of the
+      jitted call; with donated buffers the previous state is gone too).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update`` is
@@ -296,6 +350,16 @@ def multi_steps(
   """
   window_size = _validate_every_k(every_k_schedule)
   per_device = axis_name is not None
+  if nonfinite not in ("skip", "raise"):
+    raise ValueError(
+        f"multi_steps: `nonfinite` must be 'skip' or 'raise'; got {nonfinite!r}."
+    )
+  if loss_scaling is not None and not isinstance(loss_scaling, DynamicLossScale):
+    raise TypeError(
+        "multi_steps: `loss_scaling` must be a jaxaccum.DynamicLossScale or"
+        f" None; got {type(loss_scaling).__name__}."
+    )
+  init_scale = 1.0 if loss_scaling is None else loss_scaling.init_scale
 
   def local(x: jax.Array) -> jax.Array:
     """A per-device leaf in its stored layout (leading axis 1 with an axis name)."""
@@ -311,6 +375,8 @@ def multi_steps(
         cumulative_count=float_zero(),
         skip_count=int_zero(),
         applied=jnp.zeros((), jnp.bool_),
+        loss_scale=jnp.asarray(init_scale, jnp.float32),
+        good_windows=int_zero(),
         inner_state=inner.init(params),
         grad_sum=jax.tree.map(
             lambda p: local(jnp.zeros(jnp.shape(p), accumulator_dtype)), params
@@ -374,6 +440,8 @@ def multi_steps(
       cumulative_count: jax.Array
       skip_count: jax.Array
       applied: jax.Array
+      loss_scale: jax.Array
+      good_windows: jax.Array
       record: WindowRecord
       grad_sum: Any
       loss_sum: jax.Array
@@ -386,6 +454,7 @@ def multi_steps(
           unstack(current.loss_sum),
           unstack(current.count),
           axis_name=axis_name,
+          loss_scale=current.loss_scale,
       )
       window_grads, norm_clipped = clip_by_global_norm(
           totals.grads, totals.grad_norm, max_grad_norm
@@ -410,6 +479,22 @@ def multi_steps(
       skip_reason = jnp.where(
           apply, APPLIED, jnp.where(nonempty, SKIP_NONFINITE, SKIP_EMPTY)
       ).astype(jnp.int32)
+      overflow = nonempty & ~finite
+      if nonfinite == "raise":
+        jax.debug.callback(
+            _raise_nonfinite, overflow, micro_step, totals.loss, totals.grad_norm
+        )
+      loss_scale, good_windows = current.loss_scale, current.good_windows
+      if loss_scaling is not None:
+        grow = apply & (good_windows + 1 >= loss_scaling.growth_interval)
+        loss_scale = jnp.where(
+            overflow,
+            loss_scale * loss_scaling.backoff_factor,
+            jnp.where(grow, loss_scale * loss_scaling.growth_factor, loss_scale),
+        ).astype(jnp.float32)
+        good_windows = jnp.where(
+            overflow | grow, 0, good_windows + apply.astype(jnp.int32)
+        ).astype(jnp.int32)
       record = WindowRecord(
           micro_step=micro_step,
           window_count=totals.window_count,
@@ -432,6 +517,8 @@ def multi_steps(
           + jnp.where(apply, totals.window_count, 0.0),
           skip_count=current.skip_count + (~apply).astype(jnp.int32),
           applied=apply,
+          loss_scale=loss_scale,
+          good_windows=good_windows,
           record=record,
       )
 
@@ -442,6 +529,8 @@ def multi_steps(
         cumulative_count=state.cumulative_count,
         skip_count=state.skip_count,
         applied=jnp.zeros((), jnp.bool_),
+        loss_scale=state.loss_scale,
+        good_windows=state.good_windows,
         record=state.last_window,
         grad_sum=grad_sum,
         loss_sum=loss_sum,
@@ -472,6 +561,8 @@ def multi_steps(
         cumulative_count=cumulative_count,
         skip_count=skip_count,
         applied=applied,
+        loss_scale=out.loss_scale,
+        good_windows=out.good_windows,
         inner_state=inner_state,
         grad_sum=out.grad_sum,
         loss_sum=out.loss_sum,
@@ -481,6 +572,15 @@ def multi_steps(
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _raise_nonfinite(overflow, micro_step, loss, grad_norm) -> None:
+  if bool(overflow):
+    raise FloatingPointError(
+        "jaxaccum.multi_steps(nonfinite='raise'): the window ending at"
+        f" micro-step {int(micro_step)} has a non-finite gradient or loss"
+        f" (loss={float(loss)}, grad_norm={float(grad_norm)}); it was not applied."
+    )
 
 
 def _find_state(opt_state: Any, caller: str) -> MultiStepsState:
@@ -509,13 +609,23 @@ def has_updated(opt_state: Any) -> jax.Array:
   return _find_state(opt_state, "has_updated").applied
 
 
+def loss_scale(opt_state: Any) -> jax.Array:
+  """The factor to multiply the summed loss by before differentiating.
+
+  1.0 unless ``multi_steps(..., loss_scaling=DynamicLossScale(...))``. It is
+  constant inside a window and changes only at a boundary.
+  """
+  return _find_state(opt_state, "loss_scale").loss_scale
+
+
 def window_metrics(opt_state: Any) -> dict[str, jax.Array]:
   """The record of the last closed window, as a dict of scalars.
 
   Keys (the same as ``torch_ref``'s records): ``micro_step``, ``update_id``,
   ``window_count`` (global loss units), ``cumulative_count``, ``loss`` (window
   mean), ``grad_norm`` (before clipping), ``grad_norm_clipped``, ``skipped``;
-  plus ``skip_count`` and ``skip_reason`` (0 applied, 1 empty, 2 non-finite).
+  plus ``skip_count``, ``skip_reason`` (0 applied, 1 empty, 2 non-finite)
+  and ``loss_scale`` (the scale for the next window).
   Between boundaries it still describes the last closed window.
   """
   state = _find_state(opt_state, "window_metrics")
@@ -531,6 +641,7 @@ def window_metrics(opt_state: Any) -> dict[str, jax.Array]:
       "skipped": record.skipped,
       "skip_count": state.skip_count,
       "skip_reason": record.skip_reason,
+      "loss_scale": state.loss_scale,
   }
 
 

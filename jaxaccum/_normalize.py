@@ -50,6 +50,7 @@ def normalize_window(
     count: jax.Array,
     *,
     axis_name: str | tuple[str, ...] | None = None,
+    loss_scale: jax.Array | float = 1.0,
 ) -> WindowTotals:
   """Turns a window's sums into the big-batch gradient and loss, once.
 
@@ -67,6 +68,9 @@ def normalize_window(
     axis_name: the mapped axis (``pmap``/``shard_map``) to add the three sums
       over, in one ``psum``. ``None`` when the sums are already global (one
       device, or ``jit`` over globally sharded arrays).
+    loss_scale: the factor the summed loss was multiplied by before it was
+      differentiated (fp16 loss scaling); the gradient is divided by
+      ``window_count * loss_scale``, once. ``loss_sum`` is the unscaled loss.
 
   Returns:
     A :class:`WindowTotals`. A window with a global count of 0 (or less) gets
@@ -86,10 +90,11 @@ def normalize_window(
     )
   has_units = count > 0
   denominator = jnp.where(has_units, count, jnp.ones_like(count))
+  grad_denominator = denominator * loss_scale
   grads = jax.tree.map(
-      lambda g: jnp.where(has_units, g / denominator.astype(g.dtype), 0).astype(
-          g.dtype
-      ),
+      lambda g: jnp.where(
+          has_units, g / grad_denominator.astype(g.dtype), 0
+      ).astype(g.dtype),
       grad_sum,
   )
   loss = jnp.where(has_units, loss_sum / denominator, 0).astype(loss_sum.dtype)
