@@ -20,5 +20,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+parity: $(STAMP)
+	$(PY) -m parity_tests --device cpu --out out/parity
+
+bench: $(STAMP)
+	$(PY) -m benchmarks --out docs/benchmarks.md
+
 clean:
 	rm -rf $(VENV) build *.egg-info
