@@ -1,0 +1,215 @@
+"""Real multi-process DDP (gloo on 127.0.0.1): layouts, DDP bugs, communication.
+
+All scenarios run in ONE `run_scenarios` call (module fixture): world size 1
+in this process, one launch of 2 ranks and one of 4 ranks for everything else.
+Data: `torch_ref.testing.skewed_batch` (valid labels 2, 47, 0, 0, 30, 1, 20,
+40 per sample): in layout (4, 1) the ranks hold 49, 0, 31, 60 tokens, in
+(2, 2) they hold 49 and 91, and rank 0's second micro-batch is empty.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from torch_ref import (
+    SGD,
+    AdamW,
+    Scenario,
+    TinyGPT,
+    TinyGPTConfig,
+    WarmupCosine,
+    ddp,
+    export_state_dict,
+    run_scenarios,
+    split_window,
+)
+from torch_ref.testing import skewed_batch
+
+CFG = TinyGPTConfig(block_size=48)
+WEIGHTS = export_state_dict(TinyGPT(CFG, seed=0))
+BATCHES = [skewed_batch(seed) for seed in range(3)]  # one global batch per update
+LAYOUTS = [(1, 1), (1, 4), (2, 2), (4, 1)]
+# Gradients of the same window under different layouts: float32 summation order
+# only (~5e-7 measured); 1e-5 is 20x that and far below every bug.
+GRAD_RTOL = 1e-5
+# Parameters after 3 AdamW updates (lr 1e-3): ~1e-6 measured. Adam divides
+# by sqrt(v): a gradient that is 0 in exact arithmetic (the attention key bias:
+# softmax ignores a per-query constant) but ~1e-10 from rounding is turned
+# into a layout-dependent step of ~lr * 1e-2, so 2e-5 (2% of lr) is allowed.
+PARAM_ATOL = 2e-5
+
+
+def _windows(world_size: int, k: int, n: int = 3) -> list:
+    return [split_window(ids, labels, world_size, k) for ids, labels in BATCHES[:n]]
+
+
+def _train(world_size: int, k: int, **kw) -> Scenario:
+    """3 updates: AdamW + weight decay, warmup-cosine, clipping below the grad norm."""
+    return Scenario(
+        config=CFG, weights=WEIGHTS, windows=_windows(world_size, k),
+        optimizer=AdamW(lr=1e-3, weight_decay=0.1), schedule=WarmupCosine(1, 4, init_value=1e-4),
+        max_grad_norm=1.0, record_grads=True, count_comm=True, **kw,
+    )  # fmt: skip
+
+
+def _grad(world_size: int, k: int, **kw) -> Scenario:
+    """One window, SGD lr 0: the recorded gradient is the raw window gradient."""
+    return Scenario(
+        config=CFG, weights=WEIGHTS, windows=_windows(world_size, k, 1), optimizer=SGD(lr=0.0),
+        record_grads=True, count_comm=True, **kw,
+    )  # fmt: skip
+
+
+SCENARIOS: dict[str, Scenario] = {
+    **{f"train_{r}x{k}": _train(r, k) for r, k in LAYOUTS},
+    **{f"grad_{r}x{k}": _grad(r, k) for r, k in [(1, 1), (2, 2), (4, 1), (2, 4)]},
+    "local_denominator_2x2": _grad(2, 2, bug="local_denominator"),
+    "local_denominator_4x1": _grad(4, 1, bug="local_denominator"),
+    "ddp_average_forgotten_2x2": _grad(2, 2, bug="ddp_average_forgotten"),
+    "ddp_average_forgotten_4x1": _grad(4, 1, bug="ddp_average_forgotten"),
+    "mean_of_means_2x2": _grad(2, 2, bug="mean_of_means"),
+    "no_sync_backward_only_2x4": _grad(2, 4, bug="no_sync_backward_only"),
+    # fp32 + GradScaler; window 1: an inf in rank 1's first micro-batch;
+    # window 2: no label on any rank (skipped by request).
+    "skips_2x2": Scenario(
+        config=CFG,
+        weights=WEIGHTS,
+        windows=[
+            *_windows(2, 2, 2),
+            split_window(BATCHES[0][0][2:4].repeat(2, 0), BATCHES[0][1][2:4].repeat(2, 0), 2, 2),
+            _windows(2, 2, 3)[2],
+        ],
+        grad_scaler=True,
+        ema_decay=0.9,
+        empty_window="skip",
+        inf_microbatches=frozenset({(1, 1, 0)}),
+        schedule=WarmupCosine(1, 4, init_value=1e-4),
+    ),  # fmt: skip
+}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    start = time.monotonic()
+    out = run_scenarios(list(SCENARIOS.values()), timeout_s=240)
+    results = dict(zip(SCENARIOS, out, strict=True))
+    results["_seconds"] = time.monotonic() - start
+    return results
+
+
+def _flat(grads: dict[str, np.ndarray]) -> np.ndarray:
+    return np.concatenate([grads[n].ravel() for n in WEIGHTS])
+
+
+def _rel(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    fa, fb = _flat(a), _flat(b)
+    return float(np.linalg.norm(fa - fb) / np.linalg.norm(fb))
+
+
+def test_every_layout_gives_the_big_batch_updates(results):
+    ref = results["train_1x1"]
+    for r, k in LAYOUTS[1:]:
+        res = results[f"train_{r}x{k}"]
+        for u in range(3):
+            a, b = res.records[u], ref.records[u]
+            assert a["window_count"] == b["window_count"] == 140.0  # integers, exact
+            assert a["cumulative_count"] == 140.0 * (u + 1)
+            assert (a["micro_step"], a["update_id"], a["skipped"]) == (k * (u + 1), u + 1, False)
+            assert abs(a["loss"] / b["loss"] - 1) <= 1e-6  # float32 sums of 140 terms
+            assert abs(a["grad_norm"] / b["grad_norm"] - 1) <= GRAD_RTOL
+            assert a["grad_norm"] > 1.0 and a["grad_norm_clipped"] == pytest.approx(
+                1.0, rel=1e-6
+            )  # clip active
+            assert a["learning_rate"] == b["learning_rate"]  # same schedule point
+            assert _rel(res.grads[u], ref.grads[u]) <= GRAD_RTOL
+        dev = max(np.abs(res.params[-1][n] - ref.params[-1][n]).max() for n in WEIGHTS)
+        assert dev <= PARAM_ATOL, (r, k, dev)
+        # Every rank logged the same window (all values come from all-reduces).
+        for rank_recs in res.rank_records:
+            assert [x["loss"] for x in rank_recs] == [x["loss"] for x in res.records]
+
+
+def test_correct_path_all_reduces_once_per_window(results):
+    for name in ("train_2x2", "grad_2x4", "train_4x1"):
+        assert [c["synced_backwards"] for c in results[name].comm] == [1] * len(
+            results[name].comm
+        ), name
+
+
+def test_no_sync_around_backward_only_all_reduces_every_micro_batch(results):
+    bug, ok = results["no_sync_backward_only_2x4"], results["grad_2x4"]
+    assert bug.comm[0]["synced_backwards"] == 4  # k = 4 all-reduces instead of 1
+    assert bug.comm[0]["allreduce_buckets"] == 4 * ok.comm[0]["allreduce_buckets"]
+    assert _rel(bug.grads[0], ok.grads[0]) <= GRAD_RTOL  # same math, more traffic
+
+
+def test_local_denominator_deviates_when_ranks_hold_different_counts(results):
+    for r, k in [(2, 2), (4, 1)]:
+        # Rank counts 49/91 (2x2) and 49/0/31/60 (4x1): per-rank means over-weight small ranks.
+        assert (
+            _rel(results[f"local_denominator_{r}x{k}"].grads[0], results[f"grad_{r}x{k}"].grads[0])
+            >= 0.05
+        )
+
+
+def test_ddp_average_forgotten_divides_the_gradient_by_world_size(results):
+    for r, k in [(2, 2), (4, 1)]:
+        bug, ok = results[f"ddp_average_forgotten_{r}x{k}"], results[f"grad_{r}x{k}"]
+        ratio = bug.records[0]["grad_norm"] / ok.records[0]["grad_norm"]
+        assert abs(ratio * r - 1) <= 1e-6  # exactly 1/R up to float32 rounding
+        assert abs(bug.records[0]["loss"] * r / ok.records[0]["loss"] - 1) <= 1e-6
+
+
+def test_mean_of_means_under_ddp_deviates(results):
+    assert _rel(results["mean_of_means_2x2"].grads[0], results["grad_2x2"].grads[0]) >= 0.1
+
+
+def test_inf_on_one_rank_skips_the_window_on_every_rank(results):
+    res = results["skips_2x2"]
+    for rank_recs in res.rank_records:
+        assert [x["skipped"] for x in rank_recs] == [False, True, True, False]
+        assert [x["update_id"] for x in rank_recs] == [1, 1, 1, 2]
+        assert [x["micro_step"] for x in rank_recs] == [2, 4, 6, 8]
+        assert [x["window_count"] for x in rank_recs] == [140.0, 140.0, 0.0, 140.0]
+        assert [x["cumulative_count"] for x in rank_recs] == [140.0, 140.0, 140.0, 280.0]
+    lrs = [x["learning_rate"] for x in res.records]
+    assert lrs[3] == lrs[1] == lrs[2]  # schedule frozen over both skips (exact)
+    # Skipped windows change nothing, bitwise.
+    for u in (1, 2):
+        assert max(np.abs(res.params[u][n] - res.params[0][n]).max() for n in WEIGHTS) == 0.0
+        assert max(np.abs(res.ema[u][n] - res.ema[0][n]).max() for n in WEIGHTS) == 0.0
+    assert [x["skip_reason"] for x in res.records] == [0, 2, 1, 0]  # applied, inf, empty, applied
+    assert [x["skip_count"] for x in res.records] == [0, 1, 2, 2]
+    # loss_scale is the scale for the NEXT window: one backoff (x0.5, exact) at the
+    # inf; the empty window does not touch the scaler.
+    assert [x["loss_scale"] for x in res.records] == [2.0**16, 2.0**15, 2.0**15, 2.0**15]
+
+
+def test_spawn_cost_is_bounded(results):
+    # Two launches (2 and 4 ranks) + 17 tiny scenarios; ~15 s measured on 2 cores.
+    assert results["_seconds"] < 120
+
+
+def _raise_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    return rank
+
+
+def _sleep(rank: int, world_size: int, seconds: float) -> int:
+    time.sleep(seconds)
+    return rank
+
+
+def test_launcher_reports_errors_and_times_out():
+    with pytest.raises(RuntimeError, match="rank 1 fails on purpose"):
+        ddp.run(2, _raise_on_rank_1, timeout_s=60)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not finish within timeout_s=3"):
+        ddp.run(2, _sleep, 60.0, timeout_s=3)
+    # Killed at the deadline: 3 s plus process teardown, far below the 60 s sleep.
+    assert time.monotonic() - start < 20
+    assert ddp.run(2, _sleep, 0.0, timeout_s=60) == [0, 1]
