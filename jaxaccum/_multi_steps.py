@@ -51,11 +51,21 @@ class DynamicLossScale:
   growth_interval: int = 2000
 
   def __post_init__(self):
+    def real(value):
+      return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+    def float32_finite(value):
+      return real(value) and np.isfinite(np.float32(value))
+
     checks = [
-        ("init_scale", self.init_scale > 0 and np.isfinite(self.init_scale), "> 0"),
-        ("growth_factor", self.growth_factor > 1, "> 1"),
-        ("backoff_factor", 0 < self.backoff_factor < 1, "in (0, 1)"),
+        ("init_scale", float32_finite(self.init_scale) and self.init_scale > 0,
+         "a finite float32 number > 0"),
+        ("growth_factor", float32_finite(self.growth_factor)
+         and self.growth_factor > 1, "a finite number > 1"),
+        ("backoff_factor", real(self.backoff_factor)
+         and 0 < self.backoff_factor < 1, "a number in (0, 1)"),
         ("growth_interval", isinstance(self.growth_interval, numbers.Integral)
+         and not isinstance(self.growth_interval, bool)
          and self.growth_interval >= 1, "an int >= 1"),
     ]
     for name, ok, expected in checks:
@@ -72,7 +82,7 @@ class WindowRecord(NamedTuple):
     micro_step: int32, micro-batches seen on this device since ``init``, at the
       end of the window.
     window_count: float32, global loss units ``N`` of the window (all
-      micro-batches of all devices).
+      micro-batches of all devices); 0 if a traced count was NaN or inf.
     loss: float32, the window mean loss ``sum loss_sum / N`` (0 if the window
       was empty or not finite, or if ``loss_sum`` was never passed).
     grad_norm: float32, L2 norm of the normalized window gradient before
@@ -165,14 +175,24 @@ def _validate_every_k(every_k_schedule: Any) -> Callable[[jax.Array], jax.Array]
   except jax.errors.TracerArrayConversionError:
     first_value = None
   if first_value is not None and (
-      first_value.shape != () or not np.issubdtype(first_value.dtype, np.number)
+      first_value.shape != () or not np.issubdtype(first_value.dtype, np.integer)
       or first_value < 1
   ):
     raise ValueError(
         "multi_steps: `every_k_schedule(0)` must return a scalar >= 1; got"
-        f" {first!r}."
+        f" {first!r} (an integer number of micro-batches)."
     )
-  return lambda update_id: jnp.asarray(every_k_schedule(update_id), jnp.int32)
+
+  def window_size(update_id: jax.Array) -> jax.Array:
+    k = every_k_schedule(update_id)
+    if not jnp.issubdtype(jnp.result_type(k), jnp.integer):
+      raise TypeError(
+          "multi_steps: `every_k_schedule` must return an integer number of"
+          f" micro-batches; got dtype {jnp.result_type(k)}."
+      )
+    return jnp.asarray(k, jnp.int32)
+
+  return window_size
 
 
 def _check_count(count: Any) -> None:
@@ -182,25 +202,54 @@ def _check_count(count: Any) -> None:
         " (valid tokens, or samples) behind `grads`, which must be gradients of"
         " the SUMMED loss. Pass count=0 for a micro-batch with no unit."
     )
-  if isinstance(count, numbers.Real) and not isinstance(count, bool):
-    if count < 0 or not np.isfinite(count):
-      raise ValueError(
-          "multi_steps.update: `count` must be a finite number >= 0 (a weight"
-          f" of loss units); got {count}."
-      )
-    return
+  dtype = None if isinstance(count, bool) else getattr(count, "dtype", None)
+  if dtype is None and not isinstance(count, numbers.Real) or isinstance(count, bool):
+    raise TypeError(
+        "multi_steps.update: `count` must be an int or float scalar; got"
+        f" {type(count).__name__} {count!r}."
+    )
+  if dtype is not None and not (
+      np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)
+  ):
+    raise TypeError(
+        f"multi_steps.update: `count` must be an int or float scalar; got dtype {dtype}."
+    )
   shape = np.shape(count)
   if int(np.prod(shape)) != 1:
     raise ValueError(
         "multi_steps.update: `count` must be a scalar (one count per call and"
         f" device); got shape {shape}."
     )
-  dtype = getattr(count, "dtype", None)
-  if dtype is not None and not (
-      np.issubdtype(dtype, np.integer) or np.issubdtype(dtype, np.floating)
-  ):
+  if isinstance(count, jax.core.Tracer):
+    return  # checked at the boundary: a non-finite window count is skipped
+  value = float(np.asarray(count).reshape(()))
+  if value < 0 or not np.isfinite(value):
+    raise ValueError(
+        "multi_steps.update: `count` must be a finite number >= 0 (a weight"
+        f" of loss units); got {value}."
+    )
+
+
+def _check_scalar_arg(name: str, value: Any, kinds: tuple[Any, ...]) -> None:
+  """`loss_sum` (a number) and `end_window` (a bool): scalars of the right kind."""
+  dtype = getattr(value, "dtype", None)
+  if dtype is None:
+    ok = isinstance(value, kinds) and (
+        bool in kinds or not isinstance(value, bool)
+    )
+  else:
+    ok = any(np.issubdtype(dtype, kind) for kind in kinds if kind is not bool) or (
+        bool in kinds and dtype == np.bool_
+    )
+  if not ok:
     raise TypeError(
-        f"multi_steps.update: `count` must be an int or float scalar; got dtype {dtype}."
+        f"multi_steps.update: `{name}` must be a"
+        f" {'bool' if bool in kinds else 'real number'} scalar; got"
+        f" {type(value).__name__} {value!r}."
+    )
+  if int(np.prod(np.shape(value))) != 1:
+    raise ValueError(
+        f"multi_steps.update: `{name}` must be a scalar; got shape {np.shape(value)}."
     )
 
 
@@ -217,16 +266,30 @@ def _check_grads(grads: Any, grad_sum: Any, per_device: bool) -> None:
       jax.tree.leaves(grads),
       jax.tree.leaves(grad_sum),
   ):
-    expected = s.shape[1:] if per_device else s.shape
-    if tuple(g.shape) != tuple(expected):
+    where = jax.tree_util.keystr(path[0])
+    if per_device and (s.ndim == 0 or s.shape[0] != 1):
       raise ValueError(
-          f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path[0])} has"
-          f" shape {tuple(g.shape)}; the state expects {tuple(expected)}."
+          f"multi_steps.update: the state's window sum {where} has shape"
+          f" {tuple(s.shape)}, without the leading device axis of length 1 that"
+          " multi_steps(..., axis_name=...) gives it: was this state made by a"
+          " multi_steps without the same axis_name?"
       )
-    if not jnp.issubdtype(g.dtype, jnp.inexact):
+    expected = s.shape[1:] if per_device else s.shape
+    if tuple(np.shape(g)) != tuple(expected):
+      hint = (
+          " (a state made with an axis_name carries a leading device axis of"
+          " length 1; is the axis_name the same?)"
+          if not per_device and s.ndim and s.shape[0] == 1 else ""
+      )
+      raise ValueError(
+          f"multi_steps.update: `grads` leaf {where} has shape"
+          f" {tuple(np.shape(g))}; the state expects {tuple(expected)}{hint}."
+      )
+    dtype = jnp.result_type(g)
+    if not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(
-          f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path[0])} has"
-          f" dtype {g.dtype}; expected a floating dtype."
+          f"multi_steps.update: `grads` leaf {where} has dtype {dtype};"
+          " expected a real floating dtype."
       )
 
 
@@ -260,6 +323,18 @@ def _check_not_reduced(grads: Any, count: Any, axis_name: AxisName) -> None:
           " device keeps its own gradient; the window's single psum happens at"
           " the boundary."
       )
+
+
+def _check_axis_bound(axis_name: AxisName) -> None:
+  for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+    try:
+      jax.lax.axis_size(name)
+    except NameError:
+      raise NameError(
+          f"multi_steps: axis_name {name!r} is not bound here: call update"
+          " inside jax.pmap(..., axis_name=...) or jax.shard_map over a mesh"
+          f" with that axis, or build multi_steps without axis_name."
+      ) from None
 
 
 def _scalar(value: Any, dtype: Any) -> jax.Array:
@@ -360,6 +435,22 @@ def multi_steps(
         f" None; got {type(loss_scaling).__name__}."
     )
   init_scale = 1.0 if loss_scaling is None else loss_scaling.init_scale
+  if max_grad_norm is not None:
+    if not isinstance(max_grad_norm, numbers.Real) or isinstance(max_grad_norm, bool):
+      raise TypeError(
+          "multi_steps: `max_grad_norm` must be None or a number > 0; got"
+          f" {type(max_grad_norm).__name__} {max_grad_norm!r}."
+      )
+    if not (np.isfinite(max_grad_norm) and max_grad_norm > 0):
+      raise ValueError(
+          "multi_steps: `max_grad_norm` must be None or a finite number > 0;"
+          f" got {max_grad_norm}."
+      )
+  if not jnp.issubdtype(jnp.dtype(accumulator_dtype), jnp.floating):
+    raise TypeError(
+        "multi_steps: `accumulator_dtype` must be a real floating dtype (float32"
+        f" by default); got {jnp.dtype(accumulator_dtype)}."
+    )
 
   def local(x: jax.Array) -> jax.Array:
     """A per-device leaf in its stored layout (leading axis 1 with an axis name)."""
@@ -410,8 +501,12 @@ def multi_steps(
           f" init; got {type(state).__name__}."
       )
     _check_count(count)
+    if loss_sum is not None:
+      _check_scalar_arg("loss_sum", loss_sum, (numbers.Real, np.integer, np.floating))
+    _check_scalar_arg("end_window", end_window, (bool, np.bool_))
     _check_grads(updates, state.grad_sum, per_device)
     if per_device:
+      _check_axis_bound(axis_name)
       _check_not_reduced(updates, count, axis_name)
     grads = updates
 
@@ -459,7 +554,12 @@ def multi_steps(
       window_grads, norm_clipped = clip_by_global_norm(
           totals.grads, totals.grad_norm, max_grad_norm
       )
-      finite = jnp.isfinite(totals.grad_norm) & jnp.isfinite(totals.loss)
+      # A NaN/inf count (a traced weight) makes the window non-finite too.
+      finite = (
+          jnp.isfinite(totals.grad_norm)
+          & jnp.isfinite(totals.loss)
+          & jnp.isfinite(totals.window_count)
+      )
       nonempty = totals.window_count > 0
       apply = finite & nonempty
       inner_updates, new_inner = inner.update(
@@ -477,9 +577,9 @@ def multi_steps(
           current.updates,
       )
       skip_reason = jnp.where(
-          apply, APPLIED, jnp.where(nonempty, SKIP_NONFINITE, SKIP_EMPTY)
+          apply, APPLIED, jnp.where(finite, SKIP_EMPTY, SKIP_NONFINITE)
       ).astype(jnp.int32)
-      overflow = nonempty & ~finite
+      overflow = ~finite
       if nonfinite == "raise":
         jax.debug.callback(
             _raise_nonfinite, overflow, micro_step, totals.loss, totals.grad_norm
@@ -497,7 +597,9 @@ def multi_steps(
         ).astype(jnp.int32)
       record = WindowRecord(
           micro_step=micro_step,
-          window_count=totals.window_count,
+          window_count=jnp.where(
+              jnp.isfinite(totals.window_count), totals.window_count, 0.0
+          ),
           loss=jnp.where(finite, totals.loss, 0.0),
           grad_norm=jnp.where(finite, totals.grad_norm, 0.0),
           grad_norm_clipped=jnp.where(finite, norm_clipped, 0.0),
