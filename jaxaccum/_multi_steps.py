@@ -511,7 +511,9 @@ def multi_steps(
     grads = updates
 
     grad_sum = jax.tree.map(
-        lambda s, g: s + local(g.astype(s.dtype)), state.grad_sum, grads
+        lambda s, g: s + local(jnp.asarray(g).astype(s.dtype)),
+        state.grad_sum,
+        grads,
     )
     loss_sum = state.loss_sum + local(
         _scalar(0.0 if loss_sum is None else loss_sum, jnp.float32)
