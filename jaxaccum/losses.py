@@ -105,3 +105,7 @@ def per_sample(
       jnp.sum(jnp.where(mask, sample_losses, 0.0)),
       jnp.sum(mask).astype(jnp.float32),
   )
+
+
+# RL policy-gradient losses (GRPO, BNPO, Dr. GRPO, DAPO) in the same form.
+from jaxaccum._policy_gradient import policy_gradient  # noqa: E402, F401
