@@ -525,8 +525,23 @@ def multi_steps(
         end_window, jnp.bool_
     )
 
-    def zero_updates() -> Any:
-      return jax.tree.map(jnp.zeros_like, grads if params is None else params)
+    def updates_slot() -> Any:
+      """The loop's slot for the updates, in the parameters' dtypes.
+
+      On one device it starts as this micro-step's gradient, a buffer that
+      is dead once added to the window sum, so XLA reuses it instead of
+      allocating and copying zeros; it is replaced by zeros (a select) unless
+      an update was applied. With an axis name the gradient differs per
+      device while the updates are replicated, so the slot starts as zeros.
+      """
+      reference = grads if params is None else params
+      if per_device:
+        return jax.tree.map(
+            lambda r: jnp.zeros(jnp.shape(r), jnp.result_type(r)), reference
+        )
+      return jax.tree.map(
+          lambda g, r: jnp.asarray(g).astype(jnp.result_type(r)), grads, reference
+      )
 
     class Boundary(NamedTuple):
       """What the boundary reads and writes (explicit operands, no closures)."""
@@ -574,9 +589,7 @@ def multi_steps(
           current.inner_state,
       )
       new_updates = jax.tree.map(
-          lambda u, r: jnp.where(apply, u, 0).astype(r.dtype),
-          inner_updates,
-          current.updates,
+          lambda u, r: u.astype(r.dtype), inner_updates, current.updates
       )
       skip_reason = jnp.where(
           apply, APPLIED, jnp.where(finite, SKIP_EMPTY, SKIP_NONFINITE)
@@ -627,7 +640,7 @@ def multi_steps(
       )
 
     between = Boundary(
-        updates=zero_updates(),
+        updates=updates_slot(),
         inner_state=state.inner_state,
         update_id=state.update_id,
         cumulative_count=state.cumulative_count,
@@ -653,7 +666,11 @@ def multi_steps(
           lambda carry: (jnp.zeros((), jnp.bool_), boundary(carry[1])),
           (close, between),
       )
-    new_updates, inner_state = out.updates, out.inner_state
+    # Zero unless this call applied an update (a select: a NaN cannot leak).
+    new_updates = jax.tree.map(
+        lambda u: jnp.where(out.applied, u, jnp.zeros_like(u)), out.updates
+    )
+    inner_state = out.inner_state
     update_id, cumulative_count, skip_count = (
         out.update_id, out.cumulative_count, out.skip_count)
     applied, record = out.applied, out.record
