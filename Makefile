@@ -14,8 +14,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[torch,test]'
 	touch $(STAMP)
 
+# The main job: the quick parity report (JAX vs PyTorch vs the big batch, and
+# every known bug flagged) on the embedded corpus; table + plot under out/.
 demo: $(STAMP)
-	$(PY) -m jaxaccum.demo
+	$(PY) -m parity_tests --device cpu --quick --out out/parity-quick
 
 test: $(STAMP)
 	$(PY) -m pytest -q

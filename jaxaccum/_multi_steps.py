@@ -115,7 +115,9 @@ class MultiStepsState(NamedTuple):
     micro_step: int32, micro-batches seen since ``init``.
     update_id: int32, updates applied since ``init``; skipped windows do not
       count. The inner optimizer (and its schedule) counts the same updates.
-    cumulative_count: float32, global loss units of all applied windows.
+    cumulative_count: global loss units of all applied windows. This and
+      every other float scalar of the state (the sums, the record) has the
+      ``accumulator_dtype``, float32 by default; ``loss_scale`` is float32.
     skip_count: int32, windows skipped since ``init``.
     applied: bool, whether the call that returned this state applied an update.
     loss_scale: float32, the factor the summed loss is multiplied by before
@@ -125,8 +127,8 @@ class MultiStepsState(NamedTuple):
     inner_state: the inner optimizer's state.
     grad_sum: per device, the sum over the open window of the gradients of the
       summed loss (``accumulator_dtype``, float32 by default).
-    loss_sum: per device, float32, the summed loss of the open window.
-    count: per device, float32, the loss units of the open window.
+    loss_sum: per device, the summed loss of the open window.
+    count: per device, the loss units of the open window.
     last_window: the :class:`WindowRecord` of the last closed window.
   """
 
@@ -458,7 +460,7 @@ def multi_steps(
 
   def init_fn(params: Any) -> MultiStepsState:
     int_zero = lambda: jnp.zeros((), jnp.int32)
-    float_zero = lambda: jnp.zeros((), jnp.float32)
+    float_zero = lambda: jnp.zeros((), accumulator_dtype)
     return MultiStepsState(
         window_step=int_zero(),
         micro_step=int_zero(),
@@ -466,7 +468,7 @@ def multi_steps(
         cumulative_count=float_zero(),
         skip_count=int_zero(),
         applied=jnp.zeros((), jnp.bool_),
-        loss_scale=jnp.asarray(init_scale, jnp.float32),
+        loss_scale=jnp.asarray(init_scale, jnp.float32),  # always float32
         good_windows=int_zero(),
         inner_state=inner.init(params),
         grad_sum=jax.tree.map(
@@ -516,9 +518,9 @@ def multi_steps(
         grads,
     )
     loss_sum = state.loss_sum + local(
-        _scalar(0.0 if loss_sum is None else loss_sum, jnp.float32)
+        _scalar(0.0 if loss_sum is None else loss_sum, accumulator_dtype)
     )
-    count_sum = state.count + local(_scalar(count, jnp.float32))
+    count_sum = state.count + local(_scalar(count, accumulator_dtype))
     window_step = state.window_step + 1
     micro_step = state.micro_step + 1
     close = (window_step >= window_size(state.update_id)) | jnp.asarray(

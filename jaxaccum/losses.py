@@ -17,14 +17,17 @@ def _token_losses(
   """Per-position cross entropy after the causal shift, and the valid mask.
 
   Position ``t`` of ``logits`` predicts ``labels[t + 1]``; labels equal to
-  ``ignore_index`` (prompt, padding) are masked. Computed in float32.
+  ``ignore_index`` (prompt, padding) are masked. Computed in float32 (float64
+  when the logits are float64).
   """
   if logits.ndim != labels.ndim + 1 or logits.shape[:-1] != labels.shape:
     raise ValueError(
         "losses: `logits` must be [..., T, vocab] and `labels` [..., T]; got"
         f" logits {logits.shape} and labels {labels.shape}."
     )
-  shift_logits = logits[..., :-1, :].astype(jnp.float32)
+  # at least float32 (bf16/fp16 logits are upcast; float64 stays float64)
+  compute_dtype = jnp.promote_types(logits.dtype, jnp.float32)
+  shift_logits = logits[..., :-1, :].astype(compute_dtype)
   shift_labels = labels[..., 1:]
   valid = shift_labels != ignore_index
   safe_labels = jnp.where(valid, shift_labels, 0)
@@ -49,7 +52,7 @@ def causal_lm(
     ignore_index: the label value that carries no loss.
 
   Returns:
-    ``(loss_sum, count)``: float32 scalars.
+    ``(loss_sum, count)``: float32 scalars (float64 for float64 logits).
 
   Example:
     >>> import jax.numpy as jnp
@@ -59,7 +62,7 @@ def causal_lm(
     (1.3863, 1.0)
   """
   token_loss, valid = _token_losses(logits, labels, ignore_index)
-  return jnp.sum(token_loss), jnp.sum(valid).astype(jnp.float32)
+  return jnp.sum(token_loss), jnp.sum(valid).astype(token_loss.dtype)
 
 
 def causal_lm_per_sample(
@@ -76,12 +79,12 @@ def causal_lm_per_sample(
     samples with at least one valid token.
   """
   token_loss, valid = _token_losses(logits, labels, ignore_index)
-  tokens = jnp.sum(valid, axis=-1).astype(jnp.float32)
+  tokens = jnp.sum(valid, axis=-1).astype(token_loss.dtype)
   has_tokens = tokens > 0
   sample_mean = jnp.sum(token_loss, axis=-1) / jnp.where(has_tokens, tokens, 1.0)
   return (
       jnp.sum(jnp.where(has_tokens, sample_mean, 0.0)),
-      jnp.sum(has_tokens).astype(jnp.float32),
+      jnp.sum(has_tokens).astype(token_loss.dtype),
   )
 
 

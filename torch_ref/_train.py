@@ -162,8 +162,8 @@ def _scale_grads(params: Sequence[nn.Parameter], coef: float) -> None:
 
 
 def _clip_coef(norm: float, max_norm: float) -> float:
-    """min(1, max_norm / norm), the global-norm clipping factor (1 when norm == 0)."""
-    return 1.0 if norm <= max_norm else max_norm / norm
+    """``min(1, max_norm / (norm + 1e-6))``: ``torch.nn.utils.clip_grad_norm_``'s factor."""
+    return min(1.0, max_norm / (norm + 1e-6))
 
 
 def _objective(

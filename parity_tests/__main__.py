@@ -1,0 +1,85 @@
+"""``python -m parity_tests --device cpu|cuda [--quick] --out DIR``: the parity report.
+
+Runs the suite (see ``parity_tests.suite``), prints the table, writes
+``DIR/parity.md``, ``DIR/parity.json`` and ``DIR/parity_loss.png``.
+
+Exit status: 0 when every parity check is within tolerance and every negative
+control is flagged; 1 otherwise (a bug variant NOT flagged is a failure too);
+2 when the requested device is not available.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+
+def _configure_jax(device: str) -> None:
+    """Before any JAX operation: platform, and 8 fake CPU devices for the data-parallel runs."""
+    if device == "cpu":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    else:
+        # JAX would take 75% of the GPU up front; torch (this process and its DDP ranks) needs some.
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    if device == "cuda":
+        # torch computes fp32 matmuls in fp32 (allow_tf32 is off by default); JAX's default GPU
+        # precision may use TF32 (~1e-3 relative), which would swamp the fp32 comparison.
+        jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _check_cuda() -> str | None:
+    """Why CUDA can't be used, or None."""
+    import jax
+    import torch
+
+    problems = []
+    if not torch.cuda.is_available():
+        problems.append("torch.cuda.is_available() is False (a CPU build of torch, or no visible GPU)")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        problems.append(f"JAX sees no GPU (backend {jax.default_backend()!r}; install jax[cuda12])")
+    return "; ".join(problems) or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m parity_tests", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: fp32 and fp64 on JAX's (8 fake) CPU devices and gloo ranks; "
+                             "cuda: fp32 and bf16, both frameworks on one GPU")
+    parser.add_argument("--quick", action="store_true", help="three scenarios + all negative controls")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/parity"),
+                        help="directory for parity.md, parity.json, parity_loss.png")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+
+    _configure_jax(args.device)
+    if args.device == "cuda":
+        problem = _check_cuda()
+        if problem:
+            print(f"parity_tests: --device cuda needs a GPU visible to both JAX and torch: {problem}",
+                  file=sys.stderr)
+            return 2
+
+    from parity_tests import report, suite
+
+    result = suite.run_suite(args.device, args.quick, progress=not args.no_progress)
+    paths = report.write(result, args.out)
+    print(report.table(result))
+    print()
+    for name, err in result.errors.items():
+        print(f"FAILED RUN {name}:\n{err}", file=sys.stderr)
+    print(("PASS: " if result.passed else "FAIL: ") + report.summary(result))
+    for kind, path in paths.items():
+        print(f"{kind}: {path}")
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

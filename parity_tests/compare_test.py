@@ -1,0 +1,45 @@
+"""The deviation measures on hand-made runs, and when a check passes or a control is flagged."""
+import math
+
+import numpy as np
+
+from parity_tests import compare
+from parity_tests.compare import Run, TOLERANCES
+
+
+def _run(label, params, losses, counts=(10.0, 10.0), norms=(1.0, 1.0)):
+    records = [{"loss": l, "window_count": c, "grad_norm": g} for l, c, g in zip(losses, counts, norms)]
+    return Run(label, records, [{"w": np.asarray(p, np.float64)} for p in params])
+
+
+def test_param_deviation_by_hand():
+    # reference moves (0,0) -> (3,4) -> (6,8): ||moved|| = 5, then 10
+    ref = _run("ref", [[0, 0], [3, 4], [6, 8]], [1.0, 1.0])
+    sub = _run("sub", [[0, 0], [3, 4.5], [6, 9]], [1.0, 1.0])
+    assert compare.param_deviation(sub, ref) == [0.5 / 5, 1.0 / 10]
+    assert compare.param_deviation_elementwise(sub, ref) == [0.5 / 4, 1.0 / 8]
+
+
+def test_parity_check_passes_within_tolerance_and_fails_outside():
+    tol = TOLERANCES["float32"]
+    ref = _run("ref", [[0.0], [1.0], [2.0]], [2.0, 1.5])
+    close = _run("close", [[0.0], [1.0 + 5e-5], [2.0 + 1e-4]], [2.0 * (1 + 1e-6), 1.5])
+    far = _run("far", [[0.0], [1.0 + 5e-3], [2.0]], [2.0, 1.5])
+    check = compare.compare("s", close, ref, tol)
+    # 5e-5 after both updates (1e-4 / 2 after update 2), up to the binary rounding of 1.00005
+    assert np.allclose(check.param_dev, [5e-5, 5e-5], rtol=1e-9, atol=0) and check.passed
+    assert math.isclose(check.ratios["param"], 0.5, rel_tol=1e-9)
+    assert not compare.compare("s", far, ref, tol).passed
+    miscounted = _run("miscounted", [[0.0], [1.0], [2.0]], [2.0, 1.5], counts=(10.0, 11.0))
+    assert not compare.compare("s", miscounted, ref, tol).passed  # counts must match exactly
+
+
+def test_control_is_flagged_only_at_100x_tolerance():
+    tol = TOLERANCES["float32"]
+    ref = _run("ref", [[0.0], [1.0], [2.0]], [2.0, 1.5])
+    bug = _run("bug", [[0.0], [1.0], [2.0 + 2 * 1e-4 * 100]], [2.0, 1.5])  # 100 x tol after update 2
+    weak = _run("weak", [[0.0], [1.0], [2.0 + 2 * 1e-4 * 10]], [2.0, 1.5])
+    assert compare.compare("s", bug, ref, tol, "control").passed
+    assert not compare.compare("s", weak, ref, tol, "control").passed
+    diverged = _run("nan", [[0.0], [1.0], [np.nan]], [2.0, math.nan])
+    assert compare.compare("s", diverged, ref, tol, "control").ratios["param"] == math.inf

@@ -1,0 +1,95 @@
+"""Runs a scenario through ``torch_ref``: the reference, its big batch and its bugs.
+
+The scenario's numpy data go to ``torch_ref.run_scenarios`` as
+``windows[u][r][m]`` dicts, laid out exactly as the JAX side lays them out
+(:func:`parity_tests.scenarios.layout`, padding rows included); world size 1
+runs in this process, each world size R > 1 in R real DDP (gloo/nccl)
+processes that run all of that world size's runs in one spawn.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from parity_tests.compare import Run
+from parity_tests.scenarios import Scenario, layouts
+
+PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float64": "fp64"}
+
+
+def torch_scenario(scn: Scenario, weights: dict[str, np.ndarray], *, bug: str | None = None,
+                   big_batch: bool = False, count_comm: bool = False):
+    """The ``torch_ref.Scenario`` of ``scn`` (or of its big batch), optionally with a bug."""
+    import torch_ref
+
+    if big_batch:
+        scn = scn.big_batch()
+    windows = []
+    for tok, lab in layouts(scn):
+        windows.append([[{"input_ids": tok[r, m].astype(np.int64), "labels": lab[r, m].astype(np.int64)}
+                         for m in range(tok.shape[1])] for r in range(scn.world)])
+    o = scn.opt
+    schedule = None
+    if o.schedule == "warmup_cosine":
+        schedule = torch_ref.WarmupCosine(warmup_steps=o.warmup, decay_steps=o.decay_steps,
+                                          init_value=o.init_lr, end_value=o.end_lr)
+    return torch_ref.Scenario(
+        config=torch_ref.TinyGPTConfig(),
+        weights={n: np.asarray(v) for n, v in weights.items()},
+        windows=windows,
+        optimizer=torch_ref.AdamW(lr=o.lr, betas=(o.b1, o.b2), eps=o.eps, weight_decay=o.weight_decay),
+        schedule=schedule,
+        max_grad_norm=o.max_grad_norm,
+        unit=scn.unit,
+        precision=PRECISION[scn.dtype],
+        bug=bug,
+        nominal_k=scn.k,
+        count_comm=count_comm and scn.world > 1,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchJob:
+    """One torch_ref run to do: the scenario, a bug (or None) and big batch or not."""
+
+    scn: Scenario
+    bug: str | None = None
+    big_batch: bool = False
+    count_comm: bool = False  # count DDP gradient all-reduces (world size > 1)
+
+    @property
+    def label(self) -> str:
+        if self.big_batch:
+            return "torch big batch"
+        return "torch_ref" if self.bug is None else f"torch_ref:{self.bug}"
+
+
+def run_torch_jobs(jobs: list[TorchJob], weights: dict[str, np.ndarray], *, device: str = "cpu",
+                   timeout_s: float = 600.0) -> list[Run]:
+    """Runs every job through ``torch_ref.run_scenarios`` (one spawn per world size).
+
+    Returns one :class:`Run` per job, params as float64 torch-layout dicts with
+    the initial weights first. ``seconds`` is the batch's wall time split evenly.
+    """
+    import torch_ref
+
+    t0 = time.perf_counter()
+    scenarios = [torch_scenario(j.scn, weights, bug=j.bug, big_batch=j.big_batch, count_comm=j.count_comm)
+                 for j in jobs]
+    backend = None
+    if device == "cuda":
+        import torch
+
+        # NCCL refuses two ranks on one GPU; gloo accepts CUDA tensors.
+        if max(s.world_size for s in scenarios) > torch.cuda.device_count():
+            backend = "gloo"
+    results = torch_ref.run_scenarios(scenarios, device=device, backend=backend, timeout_s=timeout_s)
+    per_job = (time.perf_counter() - t0) / max(1, len(jobs))
+    init = {n: np.asarray(v, np.float64) for n, v in weights.items()}
+    runs = []
+    for job, res in zip(jobs, results):
+        params = [init] + [{n: np.asarray(v, np.float64) for n, v in p.items()} for p in res.params]
+        runs.append(Run(job.label, [dict(r) for r in res.records], params, per_job, {"comm": res.comm}))
+    return runs
