@@ -7,6 +7,7 @@ number of valid tokens (one with none), 5 AdamW updates through
 """
 
 import functools
+import os
 from functools import partial
 
 import jax
@@ -166,7 +167,12 @@ LAYOUTS = [
 ]
 # pmap and sharded jit share shard_map's accumulation code; to keep the suite
 # fast they run on a subset that still holds every k and every device count.
-LAYOUT_SUBSET = [Layout(1, 4, 8), Layout(2, 1, 16), Layout(4, 2, 4), Layout(8, 4, 1)]
+# JAXACCUM_FULL_MATRIX=1 runs all 12 layouts for them too (about 3 minutes).
+LAYOUT_SUBSET = (
+    LAYOUTS
+    if os.environ.get("JAXACCUM_FULL_MATRIX") == "1"
+    else [Layout(1, 4, 8), Layout(2, 1, 16), Layout(4, 2, 4), Layout(8, 4, 1)]
+)
 
 
 @functools.cache
