@@ -1,4 +1,4 @@
-"""Small shared pieces for tests and the demo: a tiny LM and skewed window layouts.
+"""Small shared pieces for tests and benchmarks: a tiny LM, skewed window layouts, HLO reading.
 
 Not part of the public API.
 """
@@ -33,12 +33,6 @@ def tiny_lm_logits(params: dict, tokens: jax.Array) -> jax.Array:
 def tiny_lm_loss(params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
   """``(loss_sum, count)`` of a batch ``{'tokens', 'labels'}`` (token unit)."""
   return losses.causal_lm(tiny_lm_logits(params, batch["tokens"]), batch["labels"])
-
-
-def tiny_lm_mean_loss(params: dict, batch: dict) -> jax.Array:
-  """The per-micro-batch token mean: what a mean-of-means pipeline differentiates."""
-  loss_sum, count = tiny_lm_loss(params, batch)
-  return loss_sum / jnp.maximum(count, 1.0)
 
 
 class Layout(NamedTuple):
