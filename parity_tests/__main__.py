@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: fp32 and fp64 on JAX's (8 fake) CPU devices and gloo ranks; "
                              "cuda: fp32 and bf16, both frameworks on one GPU")
-    parser.add_argument("--quick", action="store_true", help="three scenarios + all negative controls")
+    parser.add_argument("--quick", action="store_true",
+                        help="three scenarios + loss scaling + all negative controls")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/parity"),
                         help="directory for parity.md, parity.json, parity_loss.png")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = report.write(result, args.out)
     print(report.table(result))
     print()
+    for line in report.scaling_lines(result):
+        print(line)
     for name, err in result.errors.items():
         print(f"FAILED RUN {name}:\n{err}", file=sys.stderr)
     print(("PASS: " if result.passed else "FAIL: ") + report.summary(result))

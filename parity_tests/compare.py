@@ -16,6 +16,11 @@ while the L2 measure weighs them by how many they are.
 
 Loss and gradient norm: relative difference per update. Window counts:
 absolute difference (integers, exact in float32 up to 2**24).
+
+Loss-scaling scenarios (fp16 dynamic loss scale, an injected overflow) also
+compare, per update and exactly, the sequences of ``skipped`` (the window was
+dropped), ``loss_scale`` (the scale for the next window: powers of two) and
+``update_id`` (updates applied so far): a parity row passes only if they are equal.
 """
 from __future__ import annotations
 
@@ -128,6 +133,17 @@ def absolute(a: Run, b: Run, key: str) -> list[float]:
     return [abs(float(ra.get(key, math.nan)) - float(rb.get(key, math.nan))) for ra, rb in zip(a.records, b.records)]
 
 
+# The per-update record fields a loss-scaling check compares exactly.
+SCALING_SEQUENCES = ("skipped", "loss_scale", "update_id")
+
+
+def sequences(a: Run, b: Run, keys=SCALING_SEQUENCES) -> dict[str, tuple[list, list]]:
+    """``{key: (a's per-update values, b's)}``, as plain bools/floats/ints (exact comparison)."""
+    _check_lengths(a, b)
+    cast = {"skipped": bool, "update_id": int}
+    return {k: tuple([cast.get(k, float)(r[k]) for r in run.records] for run in (a, b)) for k in keys}
+
+
 def _check_lengths(a: Run, b: Run) -> None:
     if len(a.records) != len(b.records) or len(a.params) != len(b.params):
         raise ValueError(f"{a.label} has {len(a.records)} updates, {b.label} has {len(b.records)}")
@@ -161,6 +177,14 @@ class Check:
     grad_norm_dev: list[float]
     count_dev: list[float]
     comm: tuple[float, float] | None = None
+    sequences: dict[str, tuple[list, list]] | None = None  # loss scaling: exact per-update sequences
+
+    @property
+    def sequences_equal(self) -> bool | None:
+        """Whether every compared sequence is equal (None: none compared)."""
+        if self.sequences is None:
+            return None
+        return all(a == b for a, b in self.sequences.values())
 
     @property
     def ratios(self) -> dict[str, float]:
@@ -176,7 +200,7 @@ class Check:
     def passed(self) -> bool:
         if self.kind == "parity":
             ok = all(v <= 1.0 for v in self.ratios.values())
-            return ok and _worst(self.count_dev) == 0.0
+            return ok and _worst(self.count_dev) == 0.0 and self.sequences_equal is not False
         if self.kind == "comm-control":
             return self.comm is not None and self.comm[0] > self.comm[1]
         return max(self.ratios.values()) >= FLAG_RATIO
@@ -192,14 +216,18 @@ class Check:
             "count_dev": _worst(self.count_dev) if self.count_dev else math.nan,
             "tol_param": self.tol.param, "tol_loss": self.tol.loss, "tol_grad_norm": self.tol.grad_norm,
             "ratios": self.ratios, "comm": self.comm, "passed": self.passed,
+            "sequences": (None if self.sequences is None else
+                          {k: {"subject": a, "reference": b} for k, (a, b) in self.sequences.items()}),
+            "sequences_equal": self.sequences_equal,
             "per_update": {"param_dev": self.param_dev, "loss_dev": self.loss_dev,
                            "grad_norm_dev": self.grad_norm_dev},
         }
 
 
 def compare(scenario: str, subject: Run, reference: Run, tol: Tolerance, kind: str = "parity",
-            comm: tuple[float, float] | None = None) -> Check:
-    """Builds the :class:`Check` of ``subject`` against ``reference``."""
+            comm: tuple[float, float] | None = None, scaling: bool = False) -> Check:
+    """Builds the :class:`Check` of ``subject`` against ``reference`` (``scaling``: also
+    the exact :data:`SCALING_SEQUENCES`)."""
     return Check(
         scenario=scenario, subject=subject.label, reference=reference.label, kind=kind, tol=tol,
         param_dev=param_deviation(subject, reference),
@@ -208,4 +236,5 @@ def compare(scenario: str, subject: Run, reference: Run, tol: Tolerance, kind: s
         grad_norm_dev=relative(subject, reference, "grad_norm"),
         count_dev=absolute(subject, reference, "window_count") if kind == "parity" else [],
         comm=comm,
+        sequences=sequences(subject, reference) if scaling else None,
     )

@@ -1,7 +1,8 @@
 """The quick parity suite (the same as ``python -m parity_tests --quick``), asserted.
 
 One module-scoped run of :func:`parity_tests.suite.run_suite` (CPU, quick: R2k2
-token fp32 with every negative control, R4k1 sample fp32, R2k2 token fp64),
+token fp32 with every negative control, R4k1 sample fp32, R2k2 token fp64, and
+R2k2 token with fp16 dynamic loss scaling and an injected overflow),
 then one test per promise. Tolerances and their reasons live in
 ``parity_tests.compare.TOLERANCES`` (fp32: parameters 1e-4 of the movement,
 fp64: 1e-9, the issue's acceptance numbers).
@@ -73,6 +74,28 @@ def test_float64_parity(result):
     _assert_within(checks)
 
 
+def test_fp16_loss_scaling_parity(result):
+    # fp16 dynamic loss scaling (fp32 compute), an inf injected into rank 1's first micro-batch
+    # of window 3 on both sides: the same windows skipped, the same loss-scale sequence
+    # (powers of two: exact), the same update ids, and parameters within the fp32 tolerance.
+    scn = suite.scaling_scenario()
+    (check,) = [c for c in result.checks if c.scenario == scn.name]
+    assert (check.subject, check.reference) == ("jaxaccum", "torch_ref")
+    seq = check.sequences
+    assert seq["skipped"] == ([False, False, False, True, False],) * 2
+    # init 2**10; growth_interval 2: doubled after windows 0-1, halved by the overflow.
+    assert seq["loss_scale"] == ([1024.0, 2048.0, 2048.0, 1024.0, 1024.0],) * 2
+    assert seq["update_id"] == ([1, 2, 3, 3, 4],) * 2
+    assert check.sequences_equal
+    _assert_within([check])
+    # The skipped window leaves the parameters unchanged on both sides.
+    for run in (result.runs[suite._key("jaxaccum", scn)], result.runs[suite._key("torch", scn)]):
+        assert all((run.params[4][n] == run.params[3][n]).all() for n in run.params[3])
+    row = check.row()
+    assert row["sequences_equal"] is True and row["sequences"]["loss_scale"]["subject"][1] == 2048.0
+    assert any("sequences equal" in r[1] for r in report.rows(result))
+
+
 def test_negative_controls_are_flagged(result):
     controls = [c for c in result.checks if c.kind == "control"]
     expected = {"optax.MultiSteps"} | {f"torch_ref:{b}" for b in torch_ref.buggy.BUG_NAMES
@@ -102,6 +125,8 @@ def test_report_files(result, tmp_path):
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = paths["md"].read_text()
     assert md.count("\n| R") == len(result.checks)  # one table row per check
+    assert "loss_scale: jaxaccum [1024 2048 2048 1024 1024], torch_ref [1024 2048 2048 1024 1024]" in md
+    assert any(c["sequences_equal"] for c in data["checks"])
     table = report.table(result)
     assert len(table.splitlines()) == len(result.checks) + 2
     assert all(math.isfinite(c.row()["param_dev"]) for c in result.checks)

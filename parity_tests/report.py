@@ -35,6 +35,9 @@ def rows(result: SuiteResult) -> list[tuple[str, ...]]:
         comparison = f"{c.subject} vs {c.reference}"
         if c.kind == "comm-control":
             comparison += f" [grad all-reduces/window {c.comm[0]:g} vs {c.comm[1]:g}]" if c.comm else " [no counts]"
+        if c.sequences is not None:
+            comparison += (" [skipped/loss_scale/update_id sequences "
+                           + ("equal]" if c.sequences_equal else "DIFFER]"))
         out.append((c.scenario, comparison, _fmt(r["param_dev"]), _fmt(r["param_dev_elementwise"]),
                     _fmt(r["loss_dev"]), _fmt(r["grad_norm_dev"]), _fmt(r["count_dev"]),
                     f"{c.tol.param:g}/{c.tol.loss:g}/{c.tol.grad_norm:g}",
@@ -60,6 +63,20 @@ def summary(result: SuiteResult) -> str:
     return (f"{sum(c.passed for c in parity)}/{len(parity)} parity checks within tolerance, "
             f"{sum(c.passed for c in controls)}/{len(controls)} negative controls flagged, "
             f"{len(result.errors)} runs failed; {result.seconds:.0f} s")
+
+
+def _seq(values) -> str:
+    return " ".join(("T" if v else "F") if isinstance(v, bool) else f"{v:g}" for v in values)
+
+
+def scaling_lines(result: SuiteResult) -> list[str]:
+    """One line per loss-scaling check and sequence: both runs' per-update values."""
+    out = []
+    for c in result.checks:
+        for key, (a, b) in (c.sequences or {}).items():
+            out.append(f"{c.scenario}: {key}: {c.subject} [{_seq(a)}], {c.reference} [{_seq(b)}]"
+                       f" -> {'equal' if a == b else 'DIFFER'}")
+    return out
 
 
 def _json_safe(x):
@@ -121,6 +138,12 @@ Negative controls are judged against the float32 tolerance.
 
 ## Results
 {table(result, markdown=True)}
+
+## Loss scaling (fp16 dynamic loss scale, fp32 compute, an injected overflow)
+Per update, compared exactly (``skipped``: the window was dropped; ``loss_scale``: the
+scale for the next window; ``update_id``: updates applied so far):
+
+{chr(10).join("- " + line for line in scaling_lines(result)) or "none run"}
 
 {f'![per-update loss]({plot_path.name})' if plot_path else ''}
 

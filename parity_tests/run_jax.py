@@ -200,24 +200,43 @@ class _DataParallel:
 
 
 @functools.lru_cache(maxsize=None)
-def _jaxaccum_fns(world: int, k: int, unit: str, dtype: str, opt: Optimizer):
-    """``(data-parallel runner, init)`` for one layout/unit/dtype/optimizer (cached across runs)."""
+def _jaxaccum_fns(world: int, k: int, unit: str, dtype: str, opt: Optimizer, scaling=None):
+    """``(data-parallel runner, init)`` for one layout/unit/dtype/optimizer (cached across runs).
+
+    With ``scaling`` (a :class:`parity_tests.scenarios.LossScaling`): a
+    ``jaxaccum.DynamicLossScale``, the summed loss scaled by ``jaxaccum.loss_scale(state)``
+    through ``jaxaccum.value_and_grad``, and the step's scalar ``poison`` (1 or +inf)
+    multiplies the logits, as torch_ref's ``inf_microbatches`` hook does.
+    """
     pdt, cdt = _dtypes(dtype)
+    loss_scaling = None
+    if scaling is not None:
+        loss_scaling = jaxaccum.DynamicLossScale(init_scale=scaling.init_scale, growth_factor=2.0,
+                                                 backoff_factor=0.5, growth_interval=scaling.growth_interval)
     tx = jaxaccum.multi_steps(adamw(opt, pdt), k, axis_name=AXIS, max_grad_norm=opt.max_grad_norm,
-                              accumulator_dtype=pdt)
+                              accumulator_dtype=pdt, loss_scaling=loss_scaling)
     lfn = loss_fn(unit, pdt)
     specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, _flat_shape(pdt)), AXIS)
     dp = None
+    shard = len(jax.devices()) >= world  # _DataParallel's choice: pcast only under shard_map
+    scaled_grad = jaxaccum.value_and_grad(
+        lambda p, tokens, labels, poison: lfn(_logits(p, tokens, pdt, cdt) * poison.astype(pdt), labels),
+        axis_name=AXIS if shard else None)
 
-    def micro_step(params, state, tokens, labels, end_window):
+    def micro_step(params, state, tokens, labels, end_window, poison):
         tokens, labels = tokens[0], labels[0]  # this device's micro-batch [mb, T]
-        (loss_sum, count), grads = jax.value_and_grad(
-            lambda p: lfn(_logits(p, tokens, pdt, cdt), labels), has_aux=True)(dp.local_params(params))
+        if scaling is None:
+            (loss_sum, count), grads = jax.value_and_grad(
+                lambda p: lfn(_logits(p, tokens, pdt, cdt), labels), has_aux=True)(dp.local_params(params))
+        else:
+            poison = jnp.where(jax.lax.axis_index(AXIS) == poison[1], poison[0], 1.0)
+            (loss_sum, count), grads = scaled_grad(params, tokens, labels, poison,
+                                                   loss_scale=jaxaccum.loss_scale(state))
         updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum,
                                    end_window=end_window)
         return optax.apply_updates(params, updates), state, jaxaccum.window_metrics(state)
 
-    dp = _DataParallel(world, micro_step, specs, 1, ("replicated", "state", "replicated"))
+    dp = _DataParallel(world, micro_step, specs, 2, ("replicated", "state", "replicated"))
     init = tx.init
     if dp.strategy == "shard_map":
         init = jax.jit(jax.shard_map(tx.init, mesh=dp.mesh, in_specs=P(), out_specs=specs))
@@ -227,17 +246,23 @@ def _jaxaccum_fns(world: int, k: int, unit: str, dtype: str, opt: Optimizer):
 def run_jaxaccum(scn: Scenario, weights: dict[str, np.ndarray]) -> Run:
     """The scenario through ``jaxaccum.multi_steps`` on ``scn.world`` ranks (module doc)."""
     t0 = time.perf_counter()
+    ls = scn.loss_scaling
     with precision(scn):
-        dp, init = _jaxaccum_fns(scn.world, scn.k, scn.unit, scn.dtype, scn.opt)
+        dp, init = _jaxaccum_fns(scn.world, scn.k, scn.unit, scn.dtype, scn.opt, ls)
         params = dp.replicate(_initial_params(scn, weights))
         state = dp.init(init, dp.first(params))
         snaps, records = [_snapshot(dp.first(params), scn)], []
-        for tokens, labels in layouts(scn):
+        for u, (tokens, labels) in enumerate(layouts(scn)):
             k_u = tokens.shape[1]
             for m in range(k_u):
+                # (logit multiplier, poisoned rank): the overflow injection of scn.loss_scaling.
+                bad = [r for r in range(scn.world) if ls is not None and ls.poison(u, r, m)]
+                if len(bad) > 1:
+                    raise ValueError(f"loss_scaling: one poisoned rank per micro-batch index, got {bad}")
+                poison = jnp.asarray([np.inf, bad[0]] if bad else [1.0, -1.0], jnp.float32)
                 # end_window only matters in a short window (k_u < k); a full one closes by itself.
                 params, state, metrics = dp.step(params, state, *dp.put(tokens[:, m], labels[:, m]),
-                                                 jnp.asarray(m == k_u - 1))
+                                                 jnp.asarray(m == k_u - 1), poison)
             records.append(_record(dp.first(metrics)))
             snaps.append(_snapshot(dp.first(params), scn))
     return Run("jaxaccum", records, snaps, time.perf_counter() - t0, {"strategy": dp.strategy})

@@ -31,6 +31,10 @@ def torch_scenario(scn: Scenario, weights: dict[str, np.ndarray], *, bug: str | 
         windows.append([[{"input_ids": tok[r, m].astype(np.int64), "labels": lab[r, m].astype(np.int64)}
                          for m in range(tok.shape[1])] for r in range(scn.world)])
     o = scn.opt
+    ls = scn.loss_scaling  # None for a big batch (Scenario.big_batch drops it)
+    scaling = {} if ls is None else dict(grad_scaler=True, init_scale=ls.init_scale,
+                                         growth_interval=ls.growth_interval,
+                                         inf_microbatches=frozenset(ls.inf_microbatches))
     schedule = None
     if o.schedule == "warmup_cosine":
         schedule = torch_ref.WarmupCosine(warmup_steps=o.warmup, decay_steps=o.decay_steps,
@@ -47,6 +51,7 @@ def torch_scenario(scn: Scenario, weights: dict[str, np.ndarray], *, bug: str | 
         bug=bug,
         nominal_k=scn.k,
         count_comm=count_comm and scn.world > 1,
+        **scaling,
     )
 
 

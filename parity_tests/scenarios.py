@@ -83,6 +83,33 @@ def learning_rate(opt: Optimizer, update_id: int) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """fp16-style dynamic loss scaling with a forced overflow, the same on both sides.
+
+    jaxaccum: ``multi_steps(..., loss_scaling=DynamicLossScale(init_scale, 2.0, 0.5,
+    growth_interval))``, the summed loss multiplied by ``loss_scale(state)`` before
+    differentiation. torch_ref: a ``GradScaler(init_scale, growth_interval=...)``.
+    The compute stays float32 (fp16 autocast is impractical on CPU): the scaler's
+    schedule (scale, unscale, skip, backoff, growth) is what is exercised; the
+    scales are powers of two, so scaling is exact and the parameters are those of fp32.
+
+    Attributes:
+      init_scale: the initial loss scale.
+      growth_interval: applied windows between two doublings of the scale.
+      inf_microbatches: ``(u, r, m)`` micro-batches whose logits are multiplied by
+        +inf (loss and gradient become NaN: the window overflows and is skipped),
+        ``torch_ref.Scenario.inf_microbatches``' injection.
+    """
+
+    init_scale: float = 2.0**10
+    growth_interval: int = 2
+    inf_microbatches: tuple[tuple[int, int, int], ...] = ((3, 1, 0),)
+
+    def poison(self, u: int, r: int, m: int) -> bool:
+        return (u, r, m) in self.inf_microbatches
+
+
+@dataclasses.dataclass(frozen=True)
 class Scenario:
     """One training run, described entirely by numbers (see module docstring).
 
@@ -100,6 +127,7 @@ class Scenario:
       seq_len: padded length T (<= block_size).
       opt: the optimizer.
       data_seed: seed of the data (the weights are the suite's, see ``flax_gpt.init_state_dict``).
+      loss_scaling: a :class:`LossScaling` (dynamic loss scale and injected overflows), or None.
     """
 
     world: int = 1
@@ -113,6 +141,7 @@ class Scenario:
     seq_len: int = 128
     opt: Optimizer = Optimizer()
     data_seed: int = 0
+    loss_scaling: LossScaling | None = None
 
     def __post_init__(self):
         if self.unit not in UNITS:
@@ -136,6 +165,8 @@ class Scenario:
             parts.append(self.opt.schedule)
         if self.opt.max_grad_norm is not None:
             parts.append(f"clip{self.opt.max_grad_norm:g}")
+        if self.loss_scaling is not None:
+            parts.append("fp16scale-fp32compute")
         return "-".join(parts)
 
     def window_ks(self) -> list[int]:
@@ -148,8 +179,9 @@ class Scenario:
                 for u in range(self.n_updates)]
 
     def big_batch(self) -> "Scenario":
-        """The same data and optimizer on one device, one micro-batch per update."""
-        return dataclasses.replace(self, world=1, k=1, k_short=1)
+        """The same data and optimizer on one device, one micro-batch per update
+        (no loss scaling: nothing overflows in the big batch)."""
+        return dataclasses.replace(self, world=1, k=1, k_short=1, loss_scaling=None)
 
 
 @functools.lru_cache(maxsize=1)

@@ -103,6 +103,8 @@ class Scenario:
       grad_scaler: force a GradScaler on (True) or off (False); default: on for fp16.
         ``precision="fp32", grad_scaler=True`` exercises scale/unscale/skip in fp32.
       init_scale: the GradScaler's initial scale.
+      growth_interval: the GradScaler's growth interval (consecutive unskipped
+        windows before the scale doubles; torch's default 2000).
       ema_decay: track an `EMA` of the parameters with this decay (None: off).
       empty_window: "raise" or "skip" (see `train_update`).
       bug: None, or a name of `torch_ref.buggy.BUG_NAMES`.
@@ -125,6 +127,7 @@ class Scenario:
     precision: str = "fp32"
     grad_scaler: bool | None = None
     init_scale: float = 2.0**16
+    growth_interval: int = 2000
     ema_decay: float | None = None
     empty_window: str = "raise"
     bug: str | None = None
@@ -312,7 +315,11 @@ def _run_one(
         scenario.grad_scaler if scenario.grad_scaler is not None else scenario.precision == "fp16"
     )
     scaler = (
-        torch.amp.GradScaler(device.type, init_scale=scenario.init_scale) if use_scaler else None
+        torch.amp.GradScaler(
+            device.type, init_scale=scenario.init_scale, growth_interval=scenario.growth_interval
+        )
+        if use_scaler
+        else None
     )
     ema = EMA(model, scenario.ema_decay) if scenario.ema_decay is not None else None
     nominal_k = scenario.nominal_k or len(scenario.windows[0][0])
