@@ -545,23 +545,11 @@ def multi_steps(
           lambda g, r: jnp.asarray(g).astype(jnp.result_type(r)), grads, reference
       )
 
-    class Boundary(NamedTuple):
-      """What the boundary reads and writes (explicit operands, no closures)."""
-
-      updates: Any
-      inner_state: Any
-      update_id: jax.Array
-      cumulative_count: jax.Array
-      skip_count: jax.Array
-      applied: jax.Array
-      loss_scale: jax.Array
-      good_windows: jax.Array
-      record: WindowRecord
-      grad_sum: Any
-      loss_sum: jax.Array
-      count: jax.Array
-
-    def boundary(current: Boundary) -> Boundary:
+    def boundary(
+        slot_and_state: tuple[Any, MultiStepsState],
+    ) -> tuple[Any, MultiStepsState]:
+      """Closes the window: the loop body (explicit carry, no closures)."""
+      slot, current = slot_and_state
       unstack = (lambda x: x[0]) if per_device else (lambda x: x)
       totals = normalize_window(
           jax.tree.map(unstack, current.grad_sum),
@@ -591,7 +579,7 @@ def multi_steps(
           current.inner_state,
       )
       new_updates = jax.tree.map(
-          lambda u, r: u.astype(r.dtype), inner_updates, current.updates
+          lambda u, r: u.astype(r.dtype), inner_updates, slot
       )
       skip_reason = jnp.where(
           apply, APPLIED, jnp.where(finite, SKIP_EMPTY, SKIP_NONFINITE)
@@ -599,7 +587,7 @@ def multi_steps(
       overflow = ~finite
       if nonfinite == "raise":
         jax.debug.callback(
-            _raise_nonfinite, overflow, micro_step, totals.loss, totals.grad_norm
+            _raise_nonfinite, overflow, current.micro_step, totals.loss, totals.grad_norm
         )
       loss_scale, good_windows = current.loss_scale, current.good_windows
       if loss_scaling is not None:
@@ -613,7 +601,7 @@ def multi_steps(
             overflow | grow, 0, good_windows + apply.astype(jnp.int32)
         ).astype(jnp.int32)
       record = WindowRecord(
-          micro_step=micro_step,
+          micro_step=current.micro_step,
           window_count=jnp.where(
               jnp.isfinite(totals.window_count), totals.window_count, 0.0
           ),
@@ -625,11 +613,10 @@ def multi_steps(
       )
       # The window is consumed: reset its sums with fresh zeros (a select,
       # never a multiplication by a mask: 0 * NaN = NaN).
-      return current._replace(
+      return new_updates, current._replace(
           grad_sum=jax.tree.map(jnp.zeros_like, current.grad_sum),
           loss_sum=jnp.zeros_like(current.loss_sum),
           count=jnp.zeros_like(current.count),
-          updates=new_updates,
           inner_state=new_inner,
           update_id=current.update_id + apply.astype(jnp.int32),
           cumulative_count=current.cumulative_count
@@ -638,59 +625,35 @@ def multi_steps(
           applied=apply,
           loss_scale=loss_scale,
           good_windows=good_windows,
-          record=record,
+          last_window=record,
       )
 
-    between = Boundary(
-        updates=updates_slot(),
-        inner_state=state.inner_state,
-        update_id=state.update_id,
-        cumulative_count=state.cumulative_count,
-        skip_count=state.skip_count,
+    # The state as it stands between boundaries: the new sums and counters.
+    between = state._replace(
+        window_step=jnp.where(close, 0, window_step).astype(jnp.int32),
+        micro_step=micro_step,
         applied=jnp.zeros((), jnp.bool_),
-        loss_scale=state.loss_scale,
-        good_windows=state.good_windows,
-        record=state.last_window,
         grad_sum=grad_sum,
         loss_sum=loss_sum,
         count=count_sum,
     )
+    carry = (updates_slot(), between)
     if _BOUNDARY_IMPL == "cond":
-      out = jax.lax.cond(close, boundary, lambda current: current, between)
+      slot, new_state = jax.lax.cond(close, boundary, lambda c: c, carry)
     else:
       # A loop that runs once at a boundary and zero times in between. XLA
       # updates a while loop's carry in place, so between boundaries the
       # inner state is neither copied nor touched (a cond copies it into its
       # result on every call). Every value the boundary reads is in the carry,
       # so nothing can be hoisted out of the loop and run every micro-step.
-      _, out = jax.lax.while_loop(
-          lambda carry: carry[0],
-          lambda carry: (jnp.zeros((), jnp.bool_), boundary(carry[1])),
-          (close, between),
+      _, (slot, new_state) = jax.lax.while_loop(
+          lambda loop: loop[0],
+          lambda loop: (jnp.zeros((), jnp.bool_), boundary(loop[1])),
+          (close, carry),
       )
     # Zero unless this call applied an update (a select: a NaN cannot leak).
     new_updates = jax.tree.map(
-        lambda u: jnp.where(out.applied, u, jnp.zeros_like(u)), out.updates
-    )
-    inner_state = out.inner_state
-    update_id, cumulative_count, skip_count = (
-        out.update_id, out.cumulative_count, out.skip_count)
-    applied, record = out.applied, out.record
-
-    new_state = MultiStepsState(
-        window_step=jnp.where(close, 0, window_step).astype(jnp.int32),
-        micro_step=micro_step,
-        update_id=update_id,
-        cumulative_count=cumulative_count,
-        skip_count=skip_count,
-        applied=applied,
-        loss_scale=out.loss_scale,
-        good_windows=out.good_windows,
-        inner_state=inner_state,
-        grad_sum=out.grad_sum,
-        loss_sum=out.loss_sum,
-        count=out.count,
-        last_window=record,
+        lambda u: jnp.where(new_state.applied, u, jnp.zeros_like(u)), slot
     )
     return new_updates, new_state
 
