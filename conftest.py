@@ -1,4 +1,5 @@
 """Test-wide setup: 8 fake CPU devices for JAX, set before any JAX operation."""
+
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

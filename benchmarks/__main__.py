@@ -16,81 +16,112 @@ import time
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[2])
-  parser.add_argument("--out", default="docs/benchmarks.md", help="markdown report to write")
-  parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                      help="cpu (default) or cuda: also runs section 6 on the GPU")
-  parser.add_argument("--quick", action="store_true", help="tiny sizes: check the pipeline only")
-  parser.add_argument("--sections", default="1,2,3,4,5,6", help="comma-separated subset of 1-6")
-  parser.add_argument(
-      "--cache-dir", default=os.path.join(
-          os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxaccum-benchmarks"),
-      help="JAX persistent compilation cache (reruns skip XLA compilation; '' disables)")
-  return parser.parse_args(argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks", description=__doc__.split("\n")[2]
+    )
+    parser.add_argument("--out", default="docs/benchmarks.md", help="markdown report to write")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (default) or cuda: also runs section 6 on the GPU",
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: check the pipeline only")
+    parser.add_argument("--sections", default="1,2,3,4,5,6", help="comma-separated subset of 1-6")
+    parser.add_argument(
+        "--cache-dir",
+        default=os.path.join(
+            os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "jaxaccum-benchmarks"
+        ),
+        help="JAX persistent compilation cache (reruns skip XLA compilation; '' disables)",
+    )
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
-  args = parse(argv)
-  if args.device == "cpu":
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  import jax
+    args = parse(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
 
-  jax.config.update("jax_num_cpu_devices", 8)  # before the first JAX operation
-  if args.cache_dir:  # compiled programs are identical with or without it
-    jax.config.update("jax_compilation_cache_dir", args.cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_num_cpu_devices", 8)  # before the first JAX operation
+    if args.cache_dir:  # compiled programs are identical with or without it
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
-  from benchmarks import comm, gpu, jax_vs_torch, micro_step, report, scan, state
-  from benchmarks import _models as models
+    from benchmarks import _models as models
+    from benchmarks import comm, gpu, jax_vs_torch, micro_step, report, scan, state
 
-  started = time.perf_counter()
-  load_at_start = report.load_average()
-  wanted = {int(s) for s in args.sections.split(",") if s.strip()}
-  quick = args.quick
-  if quick:
-    gpt = models.tiny_gpt(models.gpt_config(d_model=32, n_layer=1), seq_len=16)
-    mlp = models.mlp(width=128, layers=4)
-  else:
-    gpt = models.tiny_gpt(seq_len=64)
-    mlp = models.mlp(width=1000, layers=10)
-  small_mlp = models.mlp(width=256, layers=4)
-  rounds = 3 if quick else 5
+    started = time.perf_counter()
+    load_at_start = report.load_average()
+    wanted = {int(s) for s in args.sections.split(",") if s.strip()}
+    quick = args.quick
+    if quick:
+        gpt = models.tiny_gpt(models.gpt_config(d_model=32, n_layer=1), seq_len=16)
+        mlp = models.mlp(width=128, layers=4)
+    else:
+        gpt = models.tiny_gpt(seq_len=64)
+        mlp = models.mlp(width=1000, layers=10)
+    small_mlp = models.mlp(width=256, layers=4)
+    rounds = 3 if quick else 5
 
-  runners = {
-      1: lambda: micro_step.run([
-          # the GPT's step is dominated by its forward/backward; the while-vs-cond
-          # comparison is made on the MLP, where the optimizer state dominates
-          micro_step.Case(gpt, "adamw", labels=("jaxaccum[while]", "optax.MultiSteps"), rows=8),
-          micro_step.Case(mlp, "adamw", rows=16),
-          micro_step.Case(mlp, "lamb", labels=("jaxaccum[while]", "optax.MultiSteps"), rows=16,
-                          donation=(True,)),
-      ], k=4, rounds=rounds),
-      2: lambda: scan.run(gpt if quick else models.tiny_gpt(seq_len=128),
-                          global_rows=16 if quick else 64, rounds=rounds),
-      3: lambda: comm.run(small_mlp, k=4, devices=jax.devices("cpu")[:8]),
-      4: lambda: state.run([gpt, mlp], k=4),
-      5: lambda: jax_vs_torch.run(seq_len=16 if quick else 128, rows=8, k=4, rounds=rounds,
-                                  device=args.device),
-      6: lambda: gpu.run(args.device),
-  }
-  sections = []
-  for number in sorted(wanted):
-    t0 = time.perf_counter()
-    print(f"[benchmarks] section {number} ...", file=sys.stderr, flush=True)
-    sections.append(runners[number]())
-    print(f"[benchmarks] section {number} done in {time.perf_counter() - t0:.0f} s "
-          f"(load average {report.load_average()})", file=sys.stderr, flush=True)
-  command = "python -m benchmarks " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-  info = report.machine(args.device)
-  info["load average (1/5/15 min)"] = f"{load_at_start} at start; {report.load_average()} at end"
-  text = report.render(sections, info, command.strip(),
-                       time.perf_counter() - started)
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out, "w") as f:
-    f.write(text)
-  print(text)
-  print(f"[benchmarks] wrote {args.out} in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    runners = {
+        1: lambda: micro_step.run(
+            [
+                # the GPT's step is dominated by its forward/backward; the while-vs-cond
+                # comparison is made on the MLP, where the optimizer state dominates
+                micro_step.Case(
+                    gpt, "adamw", labels=("jaxaccum[while]", "optax.MultiSteps"), rows=8
+                ),
+                micro_step.Case(mlp, "adamw", rows=16),
+                micro_step.Case(
+                    mlp,
+                    "lamb",
+                    labels=("jaxaccum[while]", "optax.MultiSteps"),
+                    rows=16,
+                    donation=(True,),
+                ),
+            ],
+            k=4,
+            rounds=rounds,
+        ),
+        2: lambda: scan.run(
+            gpt if quick else models.tiny_gpt(seq_len=128),
+            global_rows=16 if quick else 64,
+            rounds=rounds,
+        ),
+        3: lambda: comm.run(small_mlp, k=4, devices=jax.devices("cpu")[:8]),
+        4: lambda: state.run([gpt, mlp], k=4),
+        5: lambda: jax_vs_torch.run(
+            seq_len=16 if quick else 128, rows=8, k=4, rounds=rounds, device=args.device
+        ),
+        6: lambda: gpu.run(args.device),
+    }
+    sections = []
+    for number in sorted(wanted):
+        t0 = time.perf_counter()
+        print(f"[benchmarks] section {number} ...", file=sys.stderr, flush=True)
+        sections.append(runners[number]())
+        print(
+            f"[benchmarks] section {number} done in {time.perf_counter() - t0:.0f} s "
+            f"(load average {report.load_average()})",
+            file=sys.stderr,
+            flush=True,
+        )
+    command = "python -m benchmarks " + " ".join(
+        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
+    )
+    info = report.machine(args.device)
+    info["load average (1/5/15 min)"] = f"{load_at_start} at start; {report.load_average()} at end"
+    text = report.render(sections, info, command.strip(), time.perf_counter() - started)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(text)
+    print(
+        f"[benchmarks] wrote {args.out} in {time.perf_counter() - started:.0f} s", file=sys.stderr
+    )
 
 
 if __name__ == "__main__":
-  main()
+    main()

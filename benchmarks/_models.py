@@ -28,31 +28,37 @@ from parity_tests import flax_gpt
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-  """A benchmarked model.
+    """A benchmarked model.
 
-  Attributes:
-    name: for the tables.
-    params: the parameter pytree (jax arrays).
-    loss_fn: ``(params, batch) -> (loss_sum, count)``.
-    batch: ``(rows, seed) -> batch`` (numpy pytree; leading axis = rows).
-    tokens_per_row: loss positions per row (sequence length for the GPT).
-  """
+    Attributes:
+      name: for the tables.
+      params: the parameter pytree (jax arrays).
+      loss_fn: ``(params, batch) -> (loss_sum, count)``.
+      batch: ``(rows, seed) -> batch`` (numpy pytree; leading axis = rows).
+      tokens_per_row: loss positions per row (sequence length for the GPT).
+    """
 
-  name: str
-  params: Any
-  loss_fn: Callable[[Any, Any], tuple[jax.Array, jax.Array]]
-  batch: Callable[[int, int], Any]
-  tokens_per_row: int = 1
+    name: str
+    params: Any
+    loss_fn: Callable[[Any, Any], tuple[jax.Array, jax.Array]]
+    batch: Callable[[int, int], Any]
+    tokens_per_row: int = 1
 
 
 def gpt_config(
-    d_model: int = 64, n_layer: int = 2, n_head: int = 4, vocab_size: int = 256,
+    d_model: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    vocab_size: int = 256,
     block_size: int = 128,
 ) -> flax_gpt.TinyGPTConfig:
-  return flax_gpt.TinyGPTConfig(
-      vocab_size=vocab_size, block_size=block_size, n_layer=n_layer,
-      n_head=n_head, d_model=d_model,
-  )
+    return flax_gpt.TinyGPTConfig(
+        vocab_size=vocab_size,
+        block_size=block_size,
+        n_layer=n_layer,
+        n_head=n_head,
+        d_model=d_model,
+    )
 
 
 def tiny_gpt(
@@ -63,71 +69,76 @@ def tiny_gpt(
     compute_dtype: Any = None,
     seed: int = 0,
 ) -> Model:
-  """The tiny GPT (default config: 2 layers, d=64, vocab 256: 141k params)."""
-  config = config or gpt_config()
-  params = flax_gpt.params_from_state_dict(
-      flax_gpt.init_state_dict(config, seed=seed), config, dtype=param_dtype
-  )
+    """The tiny GPT (default config: 2 layers, d=64, vocab 256: 141k params)."""
+    config = config or gpt_config()
+    params = flax_gpt.params_from_state_dict(
+        flax_gpt.init_state_dict(config, seed=seed), config, dtype=param_dtype
+    )
 
-  def loss_fn(params, batch):
-    logits = flax_gpt.apply(params, batch["tokens"], config, compute_dtype=compute_dtype)
-    return jaxaccum.losses.causal_lm(logits, batch["labels"])
+    def loss_fn(params, batch):
+        logits = flax_gpt.apply(params, batch["tokens"], config, compute_dtype=compute_dtype)
+        return jaxaccum.losses.causal_lm(logits, batch["labels"])
 
-  def batch(rows: int, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, config.vocab_size, (rows, seq_len)).astype(np.int32)
-    return {"tokens": tokens, "labels": tokens.copy()}
+    def batch(rows: int, seed: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        tokens = rng.integers(0, config.vocab_size, (rows, seq_len)).astype(np.int32)
+        return {"tokens": tokens, "labels": tokens.copy()}
 
-  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  kind = "tiny GPT" if n < 10**7 else "GPT"
-  dtypes = "" if compute_dtype is None and param_dtype == jnp.float32 else (
-      f", params {jnp.dtype(param_dtype).name}, compute {jnp.dtype(compute_dtype or param_dtype).name}")
-  name = f"{kind} ({n / 1e6:.2f}M params, {config.n_layer} layers, d={config.d_model}, T={seq_len}{dtypes})"
-  return Model(name, params, loss_fn, batch, tokens_per_row=seq_len)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    kind = "tiny GPT" if n < 10**7 else "GPT"
+    dtypes = (
+        ""
+        if compute_dtype is None and param_dtype == jnp.float32
+        else (
+            f", params {jnp.dtype(param_dtype).name}, compute {jnp.dtype(compute_dtype or param_dtype).name}"
+        )
+    )
+    name = f"{kind} ({n / 1e6:.2f}M params, {config.n_layer} layers, d={config.d_model}, T={seq_len}{dtypes})"
+    return Model(name, params, loss_fn, batch, tokens_per_row=seq_len)
 
 
 def mlp(width: int = 1000, layers: int = 10, seed: int = 0) -> Model:
-  """A ``layers``-deep tanh MLP of square matrices, summed squared error."""
-  rng = np.random.default_rng(seed)
-  params = {
-      f"w{i:02d}": jnp.asarray(rng.normal(0, 1 / np.sqrt(width), (width, width)), jnp.float32)
-      for i in range(layers)
-  }
-
-  def loss_fn(params, batch):
-    h = batch["x"]
-    for name in sorted(params):
-      h = jnp.tanh(h @ params[name])
-    loss_sum = jnp.sum((h - batch["y"]) ** 2)
-    return loss_sum, jnp.asarray(batch["x"].shape[0], jnp.float32)
-
-  def batch(rows: int, seed: int) -> dict[str, np.ndarray]:
-    r = np.random.default_rng(seed)
-    return {
-        "x": r.normal(size=(rows, width)).astype(np.float32),
-        "y": r.normal(size=(rows, width)).astype(np.float32) * 0.5,
+    """A ``layers``-deep tanh MLP of square matrices, summed squared error."""
+    rng = np.random.default_rng(seed)
+    params = {
+        f"w{i:02d}": jnp.asarray(rng.normal(0, 1 / np.sqrt(width), (width, width)), jnp.float32)
+        for i in range(layers)
     }
 
-  name = f"MLP ({layers} x {width}x{width}, {layers * width * width / 1e6:.2f}M params)"
-  return Model(name, params, loss_fn, batch)
+    def loss_fn(params, batch):
+        h = batch["x"]
+        for name in sorted(params):
+            h = jnp.tanh(h @ params[name])
+        loss_sum = jnp.sum((h - batch["y"]) ** 2)
+        return loss_sum, jnp.asarray(batch["x"].shape[0], jnp.float32)
+
+    def batch(rows: int, seed: int) -> dict[str, np.ndarray]:
+        r = np.random.default_rng(seed)
+        return {
+            "x": r.normal(size=(rows, width)).astype(np.float32),
+            "y": r.normal(size=(rows, width)).astype(np.float32) * 0.5,
+        }
+
+    name = f"MLP ({layers} x {width}x{width}, {layers * width * width / 1e6:.2f}M params)"
+    return Model(name, params, loss_fn, batch)
 
 
 def mean_loss(loss_fn: Callable) -> Callable:
-  """``loss_sum / count``: what a plain (or optax.MultiSteps) step differentiates."""
+    """``loss_sum / count``: what a plain (or optax.MultiSteps) step differentiates."""
 
-  @functools.wraps(loss_fn)
-  def mean(params, batch):
-    loss_sum, count = loss_fn(params, batch)
-    return loss_sum / jnp.maximum(count, 1.0)
+    @functools.wraps(loss_fn)
+    def mean(params, batch):
+        loss_sum, count = loss_fn(params, batch)
+        return loss_sum / jnp.maximum(count, 1.0)
 
-  return mean
+    return mean
 
 
 def stack(batches: list[Any]) -> Any:
-  """Stacks micro-batches along a new leading axis (``[k, rows, ...]``)."""
-  return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+    """Stacks micro-batches along a new leading axis (``[k, rows, ...]``)."""
+    return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
 def copy_tree(tree: Any) -> Any:
-  """Fresh device buffers (a donated call invalidates its inputs)."""
-  return jax.tree.map(jnp.array, tree)
+    """Fresh device buffers (a donated call invalidates its inputs)."""
+    return jax.tree.map(jnp.array, tree)

@@ -39,175 +39,232 @@ AXIS = "data"
 
 
 def _programs(model: Model, k: int, devices: list, rows: int) -> dict[str, tuple[str, bool]]:
-  """Compiled HLO text of each micro-step program -> (text, accumulating?)."""
-  n = len(devices)
-  inner = lambda: optax.adamw(1e-4)
-  params = model.params
-  local_batch = jax.tree.map(np.asarray, model.batch(rows, 0))
-  stacked = lambda tree: jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape), tree)
-  value_and_grad = jax.value_and_grad(model.loss_fn, has_aux=True)
-  mean_grad = jax.grad(mean_loss(model.loss_fn))
-  out = {}
+    """Compiled HLO text of each micro-step program -> (text, accumulating?)."""
+    n = len(devices)
+    inner = lambda: optax.adamw(1e-4)
+    params = model.params
+    local_batch = jax.tree.map(np.asarray, model.batch(rows, 0))
+    stacked = lambda tree: jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape), tree)
+    value_and_grad = jax.value_and_grad(model.loss_fn, has_aux=True)
+    mean_grad = jax.grad(mean_loss(model.loss_fn))
+    out = {}
 
-  # pmap
-  ours = jaxaccum.multi_steps(inner(), k, axis_name=AXIS)
-  theirs = optax.MultiSteps(inner(), k)
+    # pmap
+    ours = jaxaccum.multi_steps(inner(), k, axis_name=AXIS)
+    theirs = optax.MultiSteps(inner(), k)
 
-  def ours_step(p, s, b):
-    (loss_sum, count), g = value_and_grad(p, b)
-    u, s = ours.update(g, s, p, count=count, loss_sum=loss_sum)
-    return optax.apply_updates(p, u), s
+    def ours_step(p, s, b):
+        (loss_sum, count), g = value_and_grad(p, b)
+        u, s = ours.update(g, s, p, count=count, loss_sum=loss_sum)
+        return optax.apply_updates(p, u), s
 
-  def theirs_step(p, s, b):
-    g = jax.lax.pmean(mean_grad(p, b), AXIS)
-    u, s = theirs.update(g, s, p)
-    return optax.apply_updates(p, u), s
+    def theirs_step(p, s, b):
+        g = jax.lax.pmean(mean_grad(p, b), AXIS)
+        u, s = theirs.update(g, s, p)
+        return optax.apply_updates(p, u), s
 
-  for name, tx, step, acc in (("jaxaccum", ours, ours_step, True),
-                              ("optax.MultiSteps + pmean", theirs, theirs_step, False)):
-    init = jax.pmap(tx.init, axis_name=AXIS, devices=devices)
-    p = stacked(params)
-    s = jax.eval_shape(init, p)
-    fn = jax.pmap(step, axis_name=AXIS, devices=devices)
-    out[f"{name}, pmap"] = (fn.lower(p, s, stacked(local_batch)).compile().as_text(), acc)
+    for name, tx, step, acc in (
+        ("jaxaccum", ours, ours_step, True),
+        ("optax.MultiSteps + pmean", theirs, theirs_step, False),
+    ):
+        init = jax.pmap(tx.init, axis_name=AXIS, devices=devices)
+        p = stacked(params)
+        s = jax.eval_shape(init, p)
+        fn = jax.pmap(step, axis_name=AXIS, devices=devices)
+        out[f"{name}, pmap"] = (fn.lower(p, s, stacked(local_batch)).compile().as_text(), acc)
 
-  # shard_map over a mesh of the same devices
-  mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
-  global_batch = jax.tree.map(lambda x: np.concatenate([x] * n), local_batch)
-  batch_spec = jax.tree.map(lambda _: P(AXIS), global_batch)
-  global_batch = jax.device_put(global_batch, NamedSharding(mesh, P(AXIS)))
-  replicated_params = jax.device_put(params, NamedSharding(mesh, P()))
+    # shard_map over a mesh of the same devices
+    mesh = jax.sharding.Mesh(np.asarray(devices), (AXIS,))
+    global_batch = jax.tree.map(lambda x: np.concatenate([x] * n), local_batch)
+    batch_spec = jax.tree.map(lambda _: P(AXIS), global_batch)
+    global_batch = jax.device_put(global_batch, NamedSharding(mesh, P(AXIS)))
+    replicated_params = jax.device_put(params, NamedSharding(mesh, P()))
 
-  def ours_sm(p, s, b):
-    local = jax.lax.pcast(p, AXIS, to="varying")  # per-device gradients, no autodiff psum
-    (loss_sum, count), g = value_and_grad(local, b)
-    u, s = ours.update(g, s, p, count=count, loss_sum=loss_sum)
-    return optax.apply_updates(p, u), s
+    def ours_sm(p, s, b):
+        local = jax.lax.pcast(p, AXIS, to="varying")  # per-device gradients, no autodiff psum
+        (loss_sum, count), g = value_and_grad(local, b)
+        u, s = ours.update(g, s, p, count=count, loss_sum=loss_sum)
+        return optax.apply_updates(p, u), s
 
-  def theirs_sm(p, s, b):
-    local = jax.lax.pcast(p, AXIS, to="varying")
-    g = jax.lax.pmean(mean_grad(local, b), AXIS)
-    u, s = theirs.update(g, s, p)
-    return optax.apply_updates(p, u), s
+    def theirs_sm(p, s, b):
+        local = jax.lax.pcast(p, AXIS, to="varying")
+        g = jax.lax.pmean(mean_grad(local, b), AXIS)
+        u, s = theirs.update(g, s, p)
+        return optax.apply_updates(p, u), s
 
-  ours_specs = jaxaccum.partition_specs(jax.eval_shape(ours.init, params), AXIS)
-  theirs_specs = jax.tree.map(lambda _: P(), jax.eval_shape(theirs.init, params))
-  for name, tx, step, specs, acc in (
-      ("jaxaccum", ours, ours_sm, ours_specs, True),
-      ("optax.MultiSteps + pmean", theirs, theirs_sm, theirs_specs, False)):
-    s = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)(replicated_params)
-    fn = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), specs, batch_spec),
-                               out_specs=(P(), specs)))
-    out[f"{name}, shard_map"] = (
-        fn.lower(replicated_params, s, global_batch).compile().as_text(), acc)
+    ours_specs = jaxaccum.partition_specs(jax.eval_shape(ours.init, params), AXIS)
+    theirs_specs = jax.tree.map(lambda _: P(), jax.eval_shape(theirs.init, params))
+    for name, tx, step, specs, acc in (
+        ("jaxaccum", ours, ours_sm, ours_specs, True),
+        ("optax.MultiSteps + pmean", theirs, theirs_sm, theirs_specs, False),
+    ):
+        s = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)(replicated_params)
+        fn = jax.jit(
+            jax.shard_map(
+                step, mesh=mesh, in_specs=(P(), specs, batch_spec), out_specs=(P(), specs)
+            )
+        )
+        out[f"{name}, shard_map"] = (
+            fn.lower(replicated_params, s, global_batch).compile().as_text(),
+            acc,
+        )
 
-  # jit on sharded global arrays, no axis name: the partitioner decides
-  plain = jaxaccum.multi_steps(inner(), k)
-  s = jax.device_put(plain.init(params), NamedSharding(mesh, P()))
+    # jit on sharded global arrays, no axis name: the partitioner decides
+    plain = jaxaccum.multi_steps(inner(), k)
+    s = jax.device_put(plain.init(params), NamedSharding(mesh, P()))
 
-  def plain_step(p, s, b):
-    (loss_sum, count), g = value_and_grad(p, b)
-    u, s = plain.update(g, s, p, count=count, loss_sum=loss_sum)
-    return optax.apply_updates(p, u), s
+    def plain_step(p, s, b):
+        (loss_sum, count), g = value_and_grad(p, b)
+        u, s = plain.update(g, s, p, count=count, loss_sum=loss_sum)
+        return optax.apply_updates(p, u), s
 
-  out["jaxaccum, jit on sharded arrays (no axis name)"] = (
-      jax.jit(plain_step).lower(replicated_params, s, global_batch).compile().as_text(), True)
-  return out
+    out["jaxaccum, jit on sharded arrays (no axis name)"] = (
+        jax.jit(plain_step).lower(replicated_params, s, global_batch).compile().as_text(),
+        True,
+    )
+    return out
 
 
 def jax_counts(model: Model, *, k: int, devices: list, rows: int = 2) -> list[dict[str, Any]]:
-  """All-reduce counts and bytes per micro-step path, boundary path and window."""
-  results = []
-  for name, (hlo, acc) in _programs(model, k, devices, rows).items():
-    place = all_reduces(hlo)
-    between, boundary = on_paths(place, "count", acc)
-    b_between, b_boundary = on_paths(place, "bytes", acc)
-    results.append({
-        "name": name, "instructions": sum(v["count"] for v in place.values()),
-        "where": ", ".join(f"{r}: {v['count']}" for r, v in place.items() if v["count"]) or "-",
-        "micro_step": between, "boundary": boundary,
-        "per_window": (k - 1) * between + boundary,
-        "bytes_per_window": (k - 1) * b_between + b_boundary,
-    })
-  return results
+    """All-reduce counts and bytes per micro-step path, boundary path and window."""
+    results = []
+    for name, (hlo, acc) in _programs(model, k, devices, rows).items():
+        place = all_reduces(hlo)
+        between, boundary = on_paths(place, "count", acc)
+        b_between, b_boundary = on_paths(place, "bytes", acc)
+        results.append(
+            {
+                "name": name,
+                "instructions": sum(v["count"] for v in place.values()),
+                "where": ", ".join(f"{r}: {v['count']}" for r, v in place.items() if v["count"])
+                or "-",
+                "micro_step": between,
+                "boundary": boundary,
+                "per_window": (k - 1) * between + boundary,
+                "bytes_per_window": (k - 1) * b_between + b_boundary,
+            }
+        )
+    return results
 
 
-def torch_counts(*, k: int, world: int = 2, windows: int = 2, timeout_s: float = 240.0) -> list[dict[str, Any]]:
-  """DDP gradient all-reduces per window: torch_ref vs its no_sync_backward_only bug."""
-  import torch_ref
-  from torch_ref.testing import skewed_batch
+def torch_counts(
+    *, k: int, world: int = 2, windows: int = 2, timeout_s: float = 240.0
+) -> list[dict[str, Any]]:
+    """DDP gradient all-reduces per window: torch_ref vs its no_sync_backward_only bug."""
+    import torch_ref
+    from torch_ref.testing import skewed_batch
 
-  config = torch_ref.TinyGPTConfig(block_size=48)
-  weights = torch_ref.export_state_dict(torch_ref.TinyGPT(config, seed=0))
-  lengths = (2, 47, 0, 30, 1, 20, 40, 9)  # valid labels per sample (skewed, one empty)
-  valid = tuple(lengths[i % len(lengths)] for i in range(2 * world * k))
-  wins = [torch_ref.split_window(*skewed_batch(seed, valid), world, k)
-          for seed in range(windows)]
-  scenarios = [
-      torch_ref.Scenario(config=config, weights=weights, windows=wins, count_comm=True, bug=bug)
-      for bug in (None, "no_sync_backward_only")
-  ]
-  results = []
-  for bug, res in zip((None, "no_sync_backward_only"), torch_ref.run_scenarios(scenarios, timeout_s=timeout_s)):
-    buckets = [c["allreduce_buckets"] for c in res.comm]
-    synced = [c["synced_backwards"] for c in res.comm]
-    results.append({
-        "name": "torch_ref (no_sync around forward and backward)" if bug is None
-        else "torch_ref bug: no_sync_backward_only",
-        "per_window": float(np.median(buckets)), "synced_backwards": float(np.median(synced)),
-    })
-  return results
-
-
-def run(model: Model, *, k: int = 4, devices: list | None = None, torch: bool = True,
-        rows: int = 2) -> Section:
-  """The communication section (JAX compiled counts, optional torch DDP counts)."""
-  devices = devices or jax.devices("cpu")[:8]
-  jax_results = jax_counts(model, k=k, devices=devices, rows=rows)
-  torch_results = torch_counts(k=k) if torch else []
-  rows_ = [[r["name"], r["instructions"], r["where"], r["micro_step"], r["boundary"],
-            r["per_window"], f"{r['bytes_per_window'] / 2**20:.2f}"] for r in jax_results]
-  body = [
-      f"{model.name}, {len(devices)} (CPU) devices, k = {k}. Static counts from the compiled "
-      "micro-step program: all-reduce instructions, the computation each sits in (entry: every "
-      "call; while_body: jaxaccum's boundary loop, one trip per window), those on a micro-step's "
-      "path and on the boundary's path, and per window = (k - 1) x micro-step + boundary.",
-      "",
-      table(["program", "all-reduces in HLO", "where", "on a micro-step", "at the boundary",
-             "per window", "MiB all-reduced per window"], rows_),
-  ]
-  gspmd = next(r for r in jax_results if "no axis" in r["name"])
-  if gspmd["per_window"] > 1:
-    body += [
-        "",
-        f"Under `jit` on batch-sharded arrays without an axis name, the result is still the "
-        f"big-batch update, but the state's `grad_sum` is replicated, so XLA's partitioner "
-        f"all-reduces every micro-step's gradient before adding it ({gspmd['micro_step']} "
-        f"all-reduce(s) on a micro-step's path, {gspmd['per_window']} per window). For one "
-        "all-reduce per window, map the step with `shard_map` or `pmap` and pass `axis_name`.",
+    config = torch_ref.TinyGPTConfig(block_size=48)
+    weights = torch_ref.export_state_dict(torch_ref.TinyGPT(config, seed=0))
+    lengths = (2, 47, 0, 30, 1, 20, 40, 9)  # valid labels per sample (skewed, one empty)
+    valid = tuple(lengths[i % len(lengths)] for i in range(2 * world * k))
+    wins = [torch_ref.split_window(*skewed_batch(seed, valid), world, k) for seed in range(windows)]
+    scenarios = [
+        torch_ref.Scenario(config=config, weights=weights, windows=wins, count_comm=True, bug=bug)
+        for bug in (None, "no_sync_backward_only")
     ]
-  if torch_results:
-    body += [
-        "",
-        f"PyTorch DDP, 2 gloo ranks, tiny GPT, k = {k}, counted by a DDP communication hook "
-        "(median over windows; torch_ref also all-reduces two small scalars per window, the "
-        "count and the loss, outside DDP):",
-        "",
-        table(["run", "gradient bucket all-reduces per window", "backwards that synced"],
-              [[r["name"], r["per_window"], r["synced_backwards"]] for r in torch_results]),
+    results = []
+    for bug, res in zip(
+        (None, "no_sync_backward_only"), torch_ref.run_scenarios(scenarios, timeout_s=timeout_s)
+    ):
+        buckets = [c["allreduce_buckets"] for c in res.comm]
+        synced = [c["synced_backwards"] for c in res.comm]
+        results.append(
+            {
+                "name": "torch_ref (no_sync around forward and backward)"
+                if bug is None
+                else "torch_ref bug: no_sync_backward_only",
+                "per_window": float(np.median(buckets)),
+                "synced_backwards": float(np.median(synced)),
+            }
+        )
+    return results
+
+
+def run(
+    model: Model, *, k: int = 4, devices: list | None = None, torch: bool = True, rows: int = 2
+) -> Section:
+    """The communication section (JAX compiled counts, optional torch DDP counts)."""
+    devices = devices or jax.devices("cpu")[:8]
+    jax_results = jax_counts(model, k=k, devices=devices, rows=rows)
+    torch_results = torch_counts(k=k) if torch else []
+    rows_ = [
+        [
+            r["name"],
+            r["instructions"],
+            r["where"],
+            r["micro_step"],
+            r["boundary"],
+            r["per_window"],
+            f"{r['bytes_per_window'] / 2**20:.2f}",
+        ]
+        for r in jax_results
     ]
-  summary = []
-  for r in jax_results:
-    target = {True: "1", False: str(k)}["jaxaccum" in r["name"] and "no axis" not in r["name"]]
-    met = None
-    if "no axis" not in r["name"]:
-      met = r["per_window"] == int(target)
-    else:
-      target = "(none; informative)"
-    summary.append((f"gradient all-reduces per window, {r['name']}", str(r["per_window"]), target, met))
-  for r in torch_results:
-    target = "1" if "bug" not in r["name"] else str(k)
-    summary.append((f"gradient all-reduces per window, {r['name']}", f"{r['per_window']:g}", target,
-                    r["per_window"] == int(target)))
-  return Section("3. Communication: all-reduces per window", "\n".join(body), summary,
-                 {"jax": jax_results, "torch": torch_results})
+    body = [
+        f"{model.name}, {len(devices)} (CPU) devices, k = {k}. Static counts from the compiled "
+        "micro-step program: all-reduce instructions, the computation each sits in (entry: every "
+        "call; while_body: jaxaccum's boundary loop, one trip per window), those on a micro-step's "
+        "path and on the boundary's path, and per window = (k - 1) x micro-step + boundary.",
+        "",
+        table(
+            [
+                "program",
+                "all-reduces in HLO",
+                "where",
+                "on a micro-step",
+                "at the boundary",
+                "per window",
+                "MiB all-reduced per window",
+            ],
+            rows_,
+        ),
+    ]
+    gspmd = next(r for r in jax_results if "no axis" in r["name"])
+    if gspmd["per_window"] > 1:
+        body += [
+            "",
+            f"Under `jit` on batch-sharded arrays without an axis name, the result is still the "
+            f"big-batch update, but the state's `grad_sum` is replicated, so XLA's partitioner "
+            f"all-reduces every micro-step's gradient before adding it ({gspmd['micro_step']} "
+            f"all-reduce(s) on a micro-step's path, {gspmd['per_window']} per window). For one "
+            "all-reduce per window, map the step with `shard_map` or `pmap` and pass `axis_name`.",
+        ]
+    if torch_results:
+        body += [
+            "",
+            f"PyTorch DDP, 2 gloo ranks, tiny GPT, k = {k}, counted by a DDP communication hook "
+            "(median over windows; torch_ref also all-reduces two small scalars per window, the "
+            "count and the loss, outside DDP):",
+            "",
+            table(
+                ["run", "gradient bucket all-reduces per window", "backwards that synced"],
+                [[r["name"], r["per_window"], r["synced_backwards"]] for r in torch_results],
+            ),
+        ]
+    summary = []
+    for r in jax_results:
+        target = {True: "1", False: str(k)}["jaxaccum" in r["name"] and "no axis" not in r["name"]]
+        met = None
+        if "no axis" not in r["name"]:
+            met = r["per_window"] == int(target)
+        else:
+            target = "(none; informative)"
+        summary.append(
+            (f"gradient all-reduces per window, {r['name']}", str(r["per_window"]), target, met)
+        )
+    for r in torch_results:
+        target = "1" if "bug" not in r["name"] else str(k)
+        summary.append(
+            (
+                f"gradient all-reduces per window, {r['name']}",
+                f"{r['per_window']:g}",
+                target,
+                r["per_window"] == int(target),
+            )
+        )
+    return Section(
+        "3. Communication: all-reduces per window",
+        "\n".join(body),
+        summary,
+        {"jax": jax_results, "torch": torch_results},
+    )

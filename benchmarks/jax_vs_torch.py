@@ -28,76 +28,128 @@ from benchmarks._models import copy_tree, gpt_config, tiny_gpt
 from parity_tests import flax_gpt
 
 
-def run(*, seq_len: int = 128, rows: int = 8, k: int = 4, rounds: int = 5, device: str = "cpu",
-        config=None) -> Section:
-  """Times one window through jaxaccum and through torch_ref, interleaved."""
-  import torch
-  import torch_ref
+def run(
+    *,
+    seq_len: int = 128,
+    rows: int = 8,
+    k: int = 4,
+    rounds: int = 5,
+    device: str = "cpu",
+    config=None,
+) -> Section:
+    """Times one window through jaxaccum and through torch_ref, interleaved."""
+    import torch
 
-  config = config or gpt_config(block_size=max(seq_len, 128))
-  model = tiny_gpt(config, seq_len=seq_len)
-  weights = flax_gpt.init_state_dict(config, seed=0)
-  batches = [model.batch(rows, seed) for seed in range(k)]
-  tokens = k * rows * seq_len
+    import torch_ref
 
-  # JAX
-  tx = jaxaccum.multi_steps(optax.adamw(1e-4, weight_decay=0.01), k)
-  value_and_grad = jax.value_and_grad(model.loss_fn, has_aux=True)
+    config = config or gpt_config(block_size=max(seq_len, 128))
+    model = tiny_gpt(config, seq_len=seq_len)
+    weights = flax_gpt.init_state_dict(config, seed=0)
+    batches = [model.batch(rows, seed) for seed in range(k)]
+    tokens = k * rows * seq_len
 
-  def step(params, state, batch):
-    (loss_sum, count), grads = value_and_grad(params, batch)
-    updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
-    return optax.apply_updates(params, updates), state
+    # JAX
+    tx = jaxaccum.multi_steps(optax.adamw(1e-4, weight_decay=0.01), k)
+    value_and_grad = jax.value_and_grad(model.loss_fn, has_aux=True)
 
-  live = {"params": copy_tree(model.params)}
-  live["state"] = tx.init(live["params"])
-  device_batches = [jax.device_put(b) for b in batches]
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
-      live["params"], live["state"], device_batches[0]).compile()
+    def step(params, state, batch):
+        (loss_sum, count), grads = value_and_grad(params, batch)
+        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        return optax.apply_updates(params, updates), state
 
-  def jax_window():
-    for b in device_batches:
-      live["params"], live["state"] = compiled(live["params"], live["state"], b)
-    return live["params"]
+    live = {"params": copy_tree(model.params)}
+    live["state"] = tx.init(live["params"])
+    device_batches = [jax.device_put(b) for b in batches]
+    compiled = (
+        jax.jit(step, donate_argnums=(0, 1))
+        .lower(live["params"], live["state"], device_batches[0])
+        .compile()
+    )
 
-  # PyTorch
-  torch_device = torch.device(device)
-  net = torch_ref.TinyGPT(torch_ref.TinyGPTConfig(
-      vocab_size=config.vocab_size, block_size=config.block_size, n_layer=config.n_layer,
-      n_head=config.n_head, d_model=config.d_model))
-  torch_ref.load_state_dict_numpy(net, {n: np.asarray(w, np.float32) for n, w in weights.items()})
-  net.to(torch_device)
-  opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.01)
-  micro = [{"input_ids": torch.from_numpy(b["tokens"].astype(np.int64)).to(torch_device),
-            "labels": torch.from_numpy(b["labels"].astype(np.int64)).to(torch_device)}
-           for b in batches]
+    def jax_window():
+        for b in device_batches:
+            live["params"], live["state"] = compiled(live["params"], live["state"], b)
+        return live["params"]
 
-  def torch_window():
-    with torch_ref.one_cpu_thread():
-      torch_ref.train_update(net, micro, opt)
-      if torch_device.type == "cuda":
-        torch.cuda.synchronize()
+    # PyTorch
+    torch_device = torch.device(device)
+    net = torch_ref.TinyGPT(
+        torch_ref.TinyGPTConfig(
+            vocab_size=config.vocab_size,
+            block_size=config.block_size,
+            n_layer=config.n_layer,
+            n_head=config.n_head,
+            d_model=config.d_model,
+        )
+    )
+    torch_ref.load_state_dict_numpy(net, {n: np.asarray(w, np.float32) for n, w in weights.items()})
+    net.to(torch_device)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.01)
+    micro = [
+        {
+            "input_ids": torch.from_numpy(b["tokens"].astype(np.int64)).to(torch_device),
+            "labels": torch.from_numpy(b["labels"].astype(np.int64)).to(torch_device),
+        }
+        for b in batches
+    ]
 
-  t = _common.interleaved({"jax": jax_window, "torch": torch_window}, rounds)
-  res = {name: {"wall": t[name].wall, "cpu": t[name].cpu,
-                "tokens_per_s": tokens / t[name].wall, "tokens_per_cpu_s": tokens / t[name].cpu}
-         for name in t}
-  # tokens/s ratio = inverse time ratio, per round
-  ratio = _common.paired_ratio(t["torch"].walls, t["jax"].walls)
-  ratio_cpu = _common.paired_ratio(t["torch"].cpus, t["jax"].cpus)
-  body = "\n".join([
-      f"{model.name}; window of k = {k} micro-batches of {rows} x {seq_len} tokens "
-      f"({tokens} tokens), AdamW, device {device}. Medians over {rounds} interleaved rounds.",
-      "",
-      table(["framework", "window wall ms", "window CPU ms", "tokens / s", "tokens / CPU-s"],
-            [["JAX (jaxaccum.multi_steps)", _common.ms(res["jax"]["wall"]), _common.ms(res["jax"]["cpu"]),
-              f"{res['jax']['tokens_per_s']:.0f}", f"{res['jax']['tokens_per_cpu_s']:.0f}"],
-             ["PyTorch (torch_ref.train_update, 1 thread)", _common.ms(res["torch"]["wall"]),
-              _common.ms(res["torch"]["cpu"]), f"{res['torch']['tokens_per_s']:.0f}",
-              f"{res['torch']['tokens_per_cpu_s']:.0f}"]]),
-  ])
-  summary = [("tokens per CPU-second, JAX (jaxaccum) / PyTorch (torch_ref), tiny GPT window",
-              f"{ratio_cpu:.2f} [rounds {_common.paired_spread(t['torch'].cpus, t['jax'].cpus)}]"
-              f" (tokens/s, wall: {ratio:.2f})", "(none; informative)", None)]
-  return Section("5. JAX vs PyTorch: tokens per second", body, summary,
-                 {"results": res, "ratio": ratio, "ratio_cpu": ratio_cpu})
+    def torch_window():
+        with torch_ref.one_cpu_thread():
+            torch_ref.train_update(net, micro, opt)
+            if torch_device.type == "cuda":
+                torch.cuda.synchronize()
+
+    t = _common.interleaved({"jax": jax_window, "torch": torch_window}, rounds)
+    res = {
+        name: {
+            "wall": t[name].wall,
+            "cpu": t[name].cpu,
+            "tokens_per_s": tokens / t[name].wall,
+            "tokens_per_cpu_s": tokens / t[name].cpu,
+        }
+        for name in t
+    }
+    # tokens/s ratio = inverse time ratio, per round
+    ratio = _common.paired_ratio(t["torch"].walls, t["jax"].walls)
+    ratio_cpu = _common.paired_ratio(t["torch"].cpus, t["jax"].cpus)
+    body = "\n".join(
+        [
+            f"{model.name}; window of k = {k} micro-batches of {rows} x {seq_len} tokens "
+            f"({tokens} tokens), AdamW, device {device}. Medians over {rounds} interleaved rounds.",
+            "",
+            table(
+                ["framework", "window wall ms", "window CPU ms", "tokens / s", "tokens / CPU-s"],
+                [
+                    [
+                        "JAX (jaxaccum.multi_steps)",
+                        _common.ms(res["jax"]["wall"]),
+                        _common.ms(res["jax"]["cpu"]),
+                        f"{res['jax']['tokens_per_s']:.0f}",
+                        f"{res['jax']['tokens_per_cpu_s']:.0f}",
+                    ],
+                    [
+                        "PyTorch (torch_ref.train_update, 1 thread)",
+                        _common.ms(res["torch"]["wall"]),
+                        _common.ms(res["torch"]["cpu"]),
+                        f"{res['torch']['tokens_per_s']:.0f}",
+                        f"{res['torch']['tokens_per_cpu_s']:.0f}",
+                    ],
+                ],
+            ),
+        ]
+    )
+    summary = [
+        (
+            "tokens per CPU-second, JAX (jaxaccum) / PyTorch (torch_ref), tiny GPT window",
+            f"{ratio_cpu:.2f} [rounds {_common.paired_spread(t['torch'].cpus, t['jax'].cpus)}]"
+            f" (tokens/s, wall: {ratio:.2f})",
+            "(none; informative)",
+            None,
+        )
+    ]
+    return Section(
+        "5. JAX vs PyTorch: tokens per second",
+        body,
+        summary,
+        {"results": res, "ratio": ratio, "ratio_cpu": ratio_cpu},
+    )

@@ -25,10 +25,10 @@ import jax
 import optax
 
 import jaxaccum
-from jaxaccum import _multi_steps
 from benchmarks import _common
 from benchmarks._common import Section, copy_placement, ms, on_paths, table, tree_bytes
 from benchmarks._models import Model, copy_tree, mean_loss
+from jaxaccum import _multi_steps
 
 INNERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adamw": lambda: optax.adamw(1e-4, weight_decay=0.01),
@@ -39,218 +39,286 @@ INNERS: dict[str, Callable[[], optax.GradientTransformation]] = {
 
 @dataclasses.dataclass
 class Variant:
-  """One compiled train step, its live buffers and its per-call timings."""
+    """One compiled train step, its live buffers and its per-call timings."""
 
-  label: str  # "jaxaccum[while]", "jaxaccum[cond]" or "optax.MultiSteps"
-  donate: bool
-  inner: str
-  step: Any  # the compiled executable
-  params: Any
-  state: Any
-  batches: list[Any]
-  hlo: str
-  calls: list[list[tuple[float, float]]] = dataclasses.field(default_factory=list)
+    label: str  # "jaxaccum[while]", "jaxaccum[cond]" or "optax.MultiSteps"
+    donate: bool
+    inner: str
+    step: Any  # the compiled executable
+    params: Any
+    state: Any
+    batches: list[Any]
+    hlo: str
+    calls: list[list[tuple[float, float]]] = dataclasses.field(default_factory=list)
 
-  def window(self) -> Any:
-    """Runs one window (k calls, each blocked on), recording each call's time."""
-    times = []
-    for batch in self.batches:
-      t0, c0 = time.perf_counter(), time.process_time()
-      self.params, self.state = self.step(self.params, self.state, batch)
-      jax.block_until_ready((self.params, self.state))
-      times.append((time.perf_counter() - t0, time.process_time() - c0))
-    self.calls.append(times)
-    return self.params
+    def window(self) -> Any:
+        """Runs one window (k calls, each blocked on), recording each call's time."""
+        times = []
+        for batch in self.batches:
+            t0, c0 = time.perf_counter(), time.process_time()
+            self.params, self.state = self.step(self.params, self.state, batch)
+            jax.block_until_ready((self.params, self.state))
+            times.append((time.perf_counter() - t0, time.process_time() - c0))
+        self.calls.append(times)
+        return self.params
 
 
 def build(model: Model, label: str, inner: str, donate: bool, k: int, rows: int) -> Variant:
-  """Compiles one variant's train step (ahead of time) and its initial state."""
-  tx_inner = INNERS[inner]()
-  if label == "optax.MultiSteps":
-    tx = optax.MultiSteps(tx_inner, every_k_schedule=k)
-    grad_fn = jax.grad(mean_loss(model.loss_fn))
+    """Compiles one variant's train step (ahead of time) and its initial state."""
+    tx_inner = INNERS[inner]()
+    if label == "optax.MultiSteps":
+        tx = optax.MultiSteps(tx_inner, every_k_schedule=k)
+        grad_fn = jax.grad(mean_loss(model.loss_fn))
 
-    def step(params, state, batch):
-      updates, state = tx.update(grad_fn(params, batch), state, params)
-      return optax.apply_updates(params, updates), state
+        def step(params, state, batch):
+            updates, state = tx.update(grad_fn(params, batch), state, params)
+            return optax.apply_updates(params, updates), state
 
-  else:
-    tx = jaxaccum.multi_steps(tx_inner, every_k_schedule=k)
-    value_and_grad = jax.value_and_grad(model.loss_fn, has_aux=True)
+    else:
+        tx = jaxaccum.multi_steps(tx_inner, every_k_schedule=k)
+        value_and_grad = jax.value_and_grad(model.loss_fn, has_aux=True)
 
-    def step(params, state, batch):
-      (loss_sum, count), grads = value_and_grad(params, batch)
-      updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
-      return optax.apply_updates(params, updates), state
+        def step(params, state, batch):
+            (loss_sum, count), grads = value_and_grad(params, batch)
+            updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+            return optax.apply_updates(params, updates), state
 
-  params = copy_tree(model.params)
-  state = tx.init(params)
-  batches = [jax.device_put(model.batch(rows, seed)) for seed in range(k)]
-  impl = {"jaxaccum[while]": "while", "jaxaccum[cond]": "cond"}.get(label, "while")
-  before = _multi_steps._BOUNDARY_IMPL
-  _multi_steps._BOUNDARY_IMPL = impl  # read when the update is traced
-  try:
-    jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
-    compiled = jitted.lower(params, state, batches[0]).compile()
-  finally:
-    _multi_steps._BOUNDARY_IMPL = before
-  return Variant(label, donate, inner, compiled, params, state, batches, compiled.as_text())
+    params = copy_tree(model.params)
+    state = tx.init(params)
+    batches = [jax.device_put(model.batch(rows, seed)) for seed in range(k)]
+    impl = {"jaxaccum[while]": "while", "jaxaccum[cond]": "cond"}.get(label, "while")
+    before = _multi_steps._BOUNDARY_IMPL
+    _multi_steps._BOUNDARY_IMPL = impl  # read when the update is traced
+    try:
+        jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+        compiled = jitted.lower(params, state, batches[0]).compile()
+    finally:
+        _multi_steps._BOUNDARY_IMPL = before
+    return Variant(label, donate, inner, compiled, params, state, batches, compiled.as_text())
 
 
 def copies(v: Variant, params: Any, k: int) -> dict[str, float]:
-  """Parameter-shaped copies on a micro-step's path, at the boundary, per window."""
-  place = copy_placement(v.hlo, params)
-  accumulating = v.label != "optax.MultiSteps"
-  n_between, n_boundary = on_paths(place, "copies", accumulating)
-  between, boundary = on_paths(place, "bytes", accumulating)
-  return {
-      "between_copies": n_between,
-      "between_bytes": between,
-      "boundary_copies": n_boundary,
-      "boundary_bytes": boundary,
-      "window_bytes": (k - 1) * between + boundary,
-  }
+    """Parameter-shaped copies on a micro-step's path, at the boundary, per window."""
+    place = copy_placement(v.hlo, params)
+    accumulating = v.label != "optax.MultiSteps"
+    n_between, n_boundary = on_paths(place, "copies", accumulating)
+    between, boundary = on_paths(place, "bytes", accumulating)
+    return {
+        "between_copies": n_between,
+        "between_bytes": between,
+        "boundary_copies": n_boundary,
+        "boundary_bytes": boundary,
+        "window_bytes": (k - 1) * between + boundary,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One comparison: a model, an inner optimizer, the variants, the micro-batch rows."""
+    """One comparison: a model, an inner optimizer, the variants, the micro-batch rows."""
 
-  model: Model
-  inner: str = "adamw"
-  labels: tuple[str, ...] = ("jaxaccum[while]", "jaxaccum[cond]", "optax.MultiSteps")
-  rows: int = 8
-  donation: tuple[bool, ...] = (True, False)
+    model: Model
+    inner: str = "adamw"
+    labels: tuple[str, ...] = ("jaxaccum[while]", "jaxaccum[cond]", "optax.MultiSteps")
+    rows: int = 8
+    donation: tuple[bool, ...] = (True, False)
 
 
 def run(cases: list[Case], *, k: int = 4, rounds: int = 5) -> Section:
-  """Times every case, donated and not, and reads each variant's HLO.
+    """Times every case, donated and not, and reads each variant's HLO.
 
-  Args:
-    cases: the comparisons (``optax.MultiSteps`` must be among each case's labels:
-      it is the baseline of the ratios).
-    k: micro-steps per window.
-    rounds: interleaved measured rounds (medians).
-  """
-  results = []
-  for case in cases:
-    for donate in case.donation:
-      variants = [build(case.model, label, case.inner, donate, k, case.rows)
-                  for label in case.labels]
-      _common.interleaved({v.label: v.window for v in variants}, rounds)
-      for v in variants:
-        calls = v.calls[1:]  # the first window was the warm-up
-        between = [c for w in calls for c in w[:-1]]
-        boundary = [w[-1] for w in calls]
-        windows = [(sum(c[0] for c in w), sum(c[1] for c in w)) for w in calls]
-        nan = float("nan")
-        results.append({
-            "model": case.model.name, "inner": case.inner, "donate": donate, "label": v.label,
-            "between_wall": _common.median([c[0] for c in between]) if between else nan,
-            "between_cpu": _common.median([c[1] for c in between]) if between else nan,
-            "boundary_wall": _common.median([c[0] for c in boundary]),
-            "window_wall": _common.median([w[0] for w in windows]),
-            "window_cpu": _common.median([w[1] for w in windows]),
-            "param_bytes": tree_bytes(case.model.params),
-            "windows": windows,
-            **copies(v, case.model.params, k),
-        })
-      del variants
-  for r in results:
-    base = next(b for b in results if b["label"] == "optax.MultiSteps" and all(
-        b[f] == r[f] for f in ("model", "inner", "donate")))
-    for i, clock in enumerate(("wall", "cpu")):
-      ours, theirs = [w[i] for w in r["windows"]], [w[i] for w in base["windows"]]
-      r[f"ratio_window_{clock}"] = _common.paired_ratio(ours, theirs)
-      r[f"spread_window_{clock}"] = _common.paired_spread(ours, theirs)
-  return _section(results, k)
+    Args:
+      cases: the comparisons (``optax.MultiSteps`` must be among each case's labels:
+        it is the baseline of the ratios).
+      k: micro-steps per window.
+      rounds: interleaved measured rounds (medians).
+    """
+    results = []
+    for case in cases:
+        for donate in case.donation:
+            variants = [
+                build(case.model, label, case.inner, donate, k, case.rows) for label in case.labels
+            ]
+            _common.interleaved({v.label: v.window for v in variants}, rounds)
+            for v in variants:
+                calls = v.calls[1:]  # the first window was the warm-up
+                between = [c for w in calls for c in w[:-1]]
+                boundary = [w[-1] for w in calls]
+                windows = [(sum(c[0] for c in w), sum(c[1] for c in w)) for w in calls]
+                nan = float("nan")
+                results.append(
+                    {
+                        "model": case.model.name,
+                        "inner": case.inner,
+                        "donate": donate,
+                        "label": v.label,
+                        "between_wall": _common.median([c[0] for c in between]) if between else nan,
+                        "between_cpu": _common.median([c[1] for c in between]) if between else nan,
+                        "boundary_wall": _common.median([c[0] for c in boundary]),
+                        "window_wall": _common.median([w[0] for w in windows]),
+                        "window_cpu": _common.median([w[1] for w in windows]),
+                        "param_bytes": tree_bytes(case.model.params),
+                        "windows": windows,
+                        **copies(v, case.model.params, k),
+                    }
+                )
+            del variants
+    for r in results:
+        base = next(
+            b
+            for b in results
+            if b["label"] == "optax.MultiSteps"
+            and all(b[f] == r[f] for f in ("model", "inner", "donate"))
+        )
+        for i, clock in enumerate(("wall", "cpu")):
+            ours, theirs = [w[i] for w in r["windows"]], [w[i] for w in base["windows"]]
+            r[f"ratio_window_{clock}"] = _common.paired_ratio(ours, theirs)
+            r[f"spread_window_{clock}"] = _common.paired_spread(ours, theirs)
+    return _section(results, k)
 
 
 def _section(results: list[dict], k: int) -> Section:
-  rows = []
-  for r in results:
-    rows.append([
-        r["model"], r["inner"], "yes" if r["donate"] else "no", r["label"],
-        ms(r["between_wall"]), ms(r["between_cpu"]), ms(r["boundary_wall"]),
-        ms(r["window_wall"]), ms(r["window_cpu"]),
-        f"{r['ratio_window_wall']:.2f}", f"{r['ratio_window_cpu']:.2f}",
-        f"{r['between_copies']} ({r['between_bytes'] / r['param_bytes']:.1f}x)",
-        f"{r['boundary_copies']} ({r['boundary_bytes'] / r['param_bytes']:.1f}x)",
-    ])
-  body = [
-      f"k = {k} micro-steps per window. Times in ms, medians over interleaved rounds; "
-      "'micro-step' is a call between boundaries, 'boundary' the call that closes the window. "
-      "Ratios: per window, against optax.MultiSteps with the same model, inner optimizer "
-      "and donation (wall-clock and process CPU time; median of the per-round ratios). Copies: `copy` instructions of "
-      "parameter-shaped arrays in the compiled program, on the path of a micro-step and of the "
-      "boundary call (in parentheses: their bytes / the parameters' bytes).",
-      "",
-      table(
-          ["model", "inner", "donated", "variant", "micro-step wall", "micro-step CPU",
-           "boundary wall", "window wall", "window CPU", "ratio wall", "ratio CPU",
-           "copies / micro-step", "copies / boundary"],
-          rows,
-      ),
-  ]
-  body += [
-      "",
-      "For the tiny GPT the optimizer is a small part of a step (forward and backward "
-      "dominate), so its ratios measure the wrappers' fixed per-call costs; the MLP is the "
-      "case where the inner optimizer's work and the optimizer state's copies dominate.",
-      "",
-      _analysis(results),
-  ]
-  summary = []
-  for r in results:
-    if r["label"] != "jaxaccum[while]":
-      continue
-    ratio = r["ratio_window_cpu"]
-    summary.append((
-        f"per window, jaxaccum / optax.MultiSteps, {r['model'].split(' (')[0]}, {r['inner']},"
-        f" {'donated' if r['donate'] else 'not donated'} (CPU time)",
-        f"{ratio:.2f} [rounds {r['spread_window_cpu']}] (wall {r['ratio_window_wall']:.2f})",
-        "<= 1.0", ratio <= 1.0,
-    ))
-  return Section("1. Per-micro-step cost: jaxaccum.multi_steps vs optax.MultiSteps",
-                 "\n".join(body), summary, {"results": results})
+    rows = []
+    for r in results:
+        rows.append(
+            [
+                r["model"],
+                r["inner"],
+                "yes" if r["donate"] else "no",
+                r["label"],
+                ms(r["between_wall"]),
+                ms(r["between_cpu"]),
+                ms(r["boundary_wall"]),
+                ms(r["window_wall"]),
+                ms(r["window_cpu"]),
+                f"{r['ratio_window_wall']:.2f}",
+                f"{r['ratio_window_cpu']:.2f}",
+                f"{r['between_copies']} ({r['between_bytes'] / r['param_bytes']:.1f}x)",
+                f"{r['boundary_copies']} ({r['boundary_bytes'] / r['param_bytes']:.1f}x)",
+            ]
+        )
+    body = [
+        f"k = {k} micro-steps per window. Times in ms, medians over interleaved rounds; "
+        "'micro-step' is a call between boundaries, 'boundary' the call that closes the window. "
+        "Ratios: per window, against optax.MultiSteps with the same model, inner optimizer "
+        "and donation (wall-clock and process CPU time; median of the per-round ratios). Copies: `copy` instructions of "
+        "parameter-shaped arrays in the compiled program, on the path of a micro-step and of the "
+        "boundary call (in parentheses: their bytes / the parameters' bytes).",
+        "",
+        table(
+            [
+                "model",
+                "inner",
+                "donated",
+                "variant",
+                "micro-step wall",
+                "micro-step CPU",
+                "boundary wall",
+                "window wall",
+                "window CPU",
+                "ratio wall",
+                "ratio CPU",
+                "copies / micro-step",
+                "copies / boundary",
+            ],
+            rows,
+        ),
+    ]
+    body += [
+        "",
+        "For the tiny GPT the optimizer is a small part of a step (forward and backward "
+        "dominate), so its ratios measure the wrappers' fixed per-call costs; the MLP is the "
+        "case where the inner optimizer's work and the optimizer state's copies dominate.",
+        "",
+        _analysis(results),
+    ]
+    summary = []
+    for r in results:
+        if r["label"] != "jaxaccum[while]":
+            continue
+        ratio = r["ratio_window_cpu"]
+        summary.append(
+            (
+                f"per window, jaxaccum / optax.MultiSteps, {r['model'].split(' (')[0]}, {r['inner']},"
+                f" {'donated' if r['donate'] else 'not donated'} (CPU time)",
+                f"{ratio:.2f} [rounds {r['spread_window_cpu']}] (wall {r['ratio_window_wall']:.2f})",
+                "<= 1.0",
+                ratio <= 1.0,
+            )
+        )
+    return Section(
+        "1. Per-micro-step cost: jaxaccum.multi_steps vs optax.MultiSteps",
+        "\n".join(body),
+        summary,
+        {"results": results},
+    )
 
 
 def _analysis(results: list[dict]) -> str:
-  """The copy analysis, with this run's counts (largest model, AdamW)."""
-  model = max((r for r in results if r["inner"] == "adamw"), key=lambda r: r["param_bytes"])["model"]
-  pick = {(r["label"], r["donate"]): r for r in results if r["model"] == model and r["inner"] == "adamw"}
-  cell = lambda r, where: f"{r[where + '_copies']} ({r[where + '_bytes'] / r['param_bytes']:.1f} P)"
-  window = lambda r: f"{r['window_bytes'] / r['param_bytes']:.1f} P"
-  rows = [[label] + [x for d in (True, False) if (label, d) in pick for x in (
-              cell(pick[(label, d)], "between"), cell(pick[(label, d)], "boundary"),
-              window(pick[(label, d)]))]
-          for label in ("jaxaccum[while]", "jaxaccum[cond]", "optax.MultiSteps")
-          if (label, True) in pick and (label, False) in pick]
-  return "\n".join([
-      f"**Why, from the compiled HLO** ({model}, AdamW; parameter-shaped `copy` instructions "
-      "on each path, bytes in units of P = the parameters' bytes; per window = (k - 1) "
-      "micro-steps + the boundary):",
-      "",
-      table(["variant", "donated: micro-step", "donated: boundary", "donated: per window",
-             "not donated: micro-step", "not donated: boundary", "not donated: per window"], rows),
-      "",
-      "- *while, donated.* The loop carry aliases the donated state buffers: between boundaries the "
-      "loop makes zero trips and the inner state and the window sums are updated in place, never "
-      "copied. The only parameter-shaped copies on a micro-step's path are the zero `updates` that "
-      "enter the loop carry (XLA materializes one zero array and copies it per leaf, about 1 P). "
-      "The boundary's copies sit in the loop body and run once per window.",
-      "- *cond, donated.* A conditional returns fresh buffers: every call, whichever branch runs, XLA "
-      "copies the conditional's results (the AdamW moments, 2 P) into the donated output buffers, "
-      "plus the zero updates in the pass-through branch. That is the 'cond over a large state costs "
-      "full copies of it' effect, and why the boundary is a zero-or-one-trip `while_loop`.",
-      "- *optax.MultiSteps, donated.* It runs AdamW on every call; XLA copies each donated input "
-      "that fused loops read while writing into the buffer aliased with it (parameters, moments, "
-      "accumulator), on every call.",
-      "- *not donated.* Every output must land in a buffer distinct from the inputs, so a state "
-      "leaf passed through unchanged is a copy (XLA copies even `jit(lambda x: x)`'s output). "
-      "Between boundaries jaxaccum therefore copies its inner state (2 P for AdamW) and the loop "
-      "carry; optax.MultiSteps writes the same output buffers by recomputing AdamW every call "
-      "(no `copy` instruction, the same bytes written, plus the optimizer arithmetic). This is "
-      "inherent to one program that returns the inner state without donation: donate the train "
-      "step's params and optimizer state (`donate_argnums`).",
-  ])
+    """The copy analysis, with this run's counts (largest model, AdamW)."""
+    model = max((r for r in results if r["inner"] == "adamw"), key=lambda r: r["param_bytes"])[
+        "model"
+    ]
+    pick = {
+        (r["label"], r["donate"]): r
+        for r in results
+        if r["model"] == model and r["inner"] == "adamw"
+    }
+    cell = lambda r, where: (
+        f"{r[where + '_copies']} ({r[where + '_bytes'] / r['param_bytes']:.1f} P)"
+    )
+    window = lambda r: f"{r['window_bytes'] / r['param_bytes']:.1f} P"
+    rows = [
+        [label]
+        + [
+            x
+            for d in (True, False)
+            if (label, d) in pick
+            for x in (
+                cell(pick[(label, d)], "between"),
+                cell(pick[(label, d)], "boundary"),
+                window(pick[(label, d)]),
+            )
+        ]
+        for label in ("jaxaccum[while]", "jaxaccum[cond]", "optax.MultiSteps")
+        if (label, True) in pick and (label, False) in pick
+    ]
+    return "\n".join(
+        [
+            f"**Why, from the compiled HLO** ({model}, AdamW; parameter-shaped `copy` instructions "
+            "on each path, bytes in units of P = the parameters' bytes; per window = (k - 1) "
+            "micro-steps + the boundary):",
+            "",
+            table(
+                [
+                    "variant",
+                    "donated: micro-step",
+                    "donated: boundary",
+                    "donated: per window",
+                    "not donated: micro-step",
+                    "not donated: boundary",
+                    "not donated: per window",
+                ],
+                rows,
+            ),
+            "",
+            "- *while, donated.* The loop carry aliases the donated state buffers: between boundaries the "
+            "loop makes zero trips and the inner state and the window sums are updated in place, never "
+            "copied. The only parameter-shaped copies on a micro-step's path are the zero `updates` that "
+            "enter the loop carry (XLA materializes one zero array and copies it per leaf, about 1 P). "
+            "The boundary's copies sit in the loop body and run once per window.",
+            "- *cond, donated.* A conditional returns fresh buffers: every call, whichever branch runs, XLA "
+            "copies the conditional's results (the AdamW moments, 2 P) into the donated output buffers, "
+            "plus the zero updates in the pass-through branch. That is the 'cond over a large state costs "
+            "full copies of it' effect, and why the boundary is a zero-or-one-trip `while_loop`.",
+            "- *optax.MultiSteps, donated.* It runs AdamW on every call; XLA copies each donated input "
+            "that fused loops read while writing into the buffer aliased with it (parameters, moments, "
+            "accumulator), on every call.",
+            "- *not donated.* Every output must land in a buffer distinct from the inputs, so a state "
+            "leaf passed through unchanged is a copy (XLA copies even `jit(lambda x: x)`'s output). "
+            "Between boundaries jaxaccum therefore copies its inner state (2 P for AdamW) and the loop "
+            "carry; optax.MultiSteps writes the same output buffers by recomputing AdamW every call "
+            "(no `copy` instruction, the same bytes written, plus the optimizer arithmetic). This is "
+            "inherent to one program that returns the inner state without donation: donate the train "
+            "step's params and optimizer state (`donate_argnums`).",
+        ]
+    )

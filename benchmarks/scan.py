@@ -25,106 +25,139 @@ from benchmarks._models import Model, copy_tree, mean_loss, stack
 
 
 class Program:
-  """A compiled train step with its live buffers (donated between calls)."""
+    """A compiled train step with its live buffers (donated between calls)."""
 
-  def __init__(self, compiled, params, opt_state, batch):
-    self.compiled, self.params, self.opt_state, self.batch = compiled, params, opt_state, batch
+    def __init__(self, compiled, params, opt_state, batch):
+        self.compiled, self.params, self.opt_state, self.batch = compiled, params, opt_state, batch
 
-  def __call__(self):
-    self.params, self.opt_state = self.compiled(self.params, self.opt_state, self.batch)
-    return self.params
+    def __call__(self):
+        self.params, self.opt_state = self.compiled(self.params, self.opt_state, self.batch)
+        return self.params
 
 
 def build(model: Model, k: int | None, global_rows: int, seed: int = 0) -> Program:
-  """The big-batch step (``k=None``) or the accumulated step over ``k`` micro-batches."""
-  tx = optax.adamw(1e-4, weight_decay=0.01)
-  params = copy_tree(model.params)
-  opt_state = tx.init(params)
-  if k is None:
-    batch = model.batch(global_rows, seed)
-    grad_fn = jax.grad(mean_loss(model.loss_fn))
+    """The big-batch step (``k=None``) or the accumulated step over ``k`` micro-batches."""
+    tx = optax.adamw(1e-4, weight_decay=0.01)
+    params = copy_tree(model.params)
+    opt_state = tx.init(params)
+    if k is None:
+        batch = model.batch(global_rows, seed)
+        grad_fn = jax.grad(mean_loss(model.loss_fn))
 
-    def step(params, opt_state, batch):
-      updates, opt_state = tx.update(grad_fn(params, batch), opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
+        def step(params, opt_state, batch):
+            updates, opt_state = tx.update(grad_fn(params, batch), opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
 
-  else:
-    if global_rows % k:
-      raise ValueError(f"global_rows={global_rows} is not divisible by k={k}")
-    full = model.batch(global_rows, seed)  # the same rows, cut into k micro-batches
-    rows = global_rows // k
-    batch = stack([jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], full) for i in range(k)])
+    else:
+        if global_rows % k:
+            raise ValueError(f"global_rows={global_rows} is not divisible by k={k}")
+        full = model.batch(global_rows, seed)  # the same rows, cut into k micro-batches
+        rows = global_rows // k
+        batch = stack(
+            [jax.tree.map(lambda x: x[i * rows : (i + 1) * rows], full) for i in range(k)]
+        )
 
-    def step(params, opt_state, microbatches):
-      grads, _ = jaxaccum.accumulate_gradients(model.loss_fn, params, microbatches)
-      updates, opt_state = tx.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state
+        def step(params, opt_state, microbatches):
+            grads, _ = jaxaccum.accumulate_gradients(model.loss_fn, params, microbatches)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
 
-  batch = jax.device_put(batch)
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch).compile()
-  return Program(compiled, params, opt_state, batch)
+    batch = jax.device_put(batch)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch).compile()
+    return Program(compiled, params, opt_state, batch)
 
 
 def temp_bytes(compiled) -> int | None:
-  analysis = compiled.memory_analysis()
-  return None if analysis is None else int(analysis.temp_size_in_bytes)
+    analysis = compiled.memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
 def run(
-    model: Model, *, global_rows: int = 64, ks: tuple[int, ...] = (1, 2, 4, 8, 16),
-    rounds: int = 5, target_k: int = 8,
+    model: Model,
+    *,
+    global_rows: int = 64,
+    ks: tuple[int, ...] = (1, 2, 4, 8, 16),
+    rounds: int = 5,
+    target_k: int = 8,
 ) -> Section:
-  """Times the big-batch step and the accumulated step for each ``k``."""
-  programs = {"big batch": build(model, None, global_rows)}
-  for k in ks:
-    programs[f"k={k}"] = build(model, k, global_rows)
-  timings = _common.interleaved(programs, rounds)
-  big = timings["big batch"]
-  big_temp = temp_bytes(programs["big batch"].compiled)
-  results = []
-  for name, program in programs.items():
-    t = timings[name]
-    temp = temp_bytes(program.compiled)
-    results.append({
-        "name": name,
-        "k": None if name == "big batch" else int(name[2:]),
-        "wall": t.wall, "cpu": t.cpu,
-        "ratio_wall": _common.paired_ratio(t.walls, big.walls),
-        "ratio_cpu": _common.paired_ratio(t.cpus, big.cpus),
-        "spread_cpu": _common.paired_spread(t.cpus, big.cpus),
-        "temp_bytes": temp,
-        "temp_ratio": None if temp is None or not big_temp else temp / big_temp,
-    })
-  rows = [
-      [r["name"], ms(r["wall"]), ms(r["cpu"]), f"{r['ratio_wall']:.2f}", f"{r['ratio_cpu']:.2f}",
-       "n/a" if r["temp_bytes"] is None else mib(r["temp_bytes"]),
-       "n/a" if r["temp_ratio"] is None else f"{r['temp_ratio']:.3f}"]
-      for r in results
-  ]
-  body = "\n".join([
-      f"{model.name}; global batch {global_rows} rows x {model.tokens_per_row} tokens, "
-      "AdamW, parameters and optimizer state donated. Times in ms (medians over interleaved "
-      "rounds); ratios against the big-batch step (median of the per-round ratios); temporary memory from "
-      "`compiled.memory_analysis().temp_size_in_bytes`.",
-      "",
-      table(["step", "wall", "CPU", "ratio wall", "ratio CPU", "temp MiB", "temp / big batch"], rows),
-      "",
-      "CPU time above wall time means XLA ran the step on more than one core. A micro-batch "
-      "leaves less work to split between cores than the big batch, so on an idle multi-core "
-      "host the time ratio grows with k; when each step gets one core, the scan's smaller "
-      "working set can make it faster than the big batch. Compare the ratio with the "
-      "CPU/wall columns of the same run.",
-  ])
-  at = next((r for r in results if r["k"] == target_k), None)
-  summary = []
-  if at is not None:
-    summary.append((f"in-step scan / big batch, time, k={target_k} (CPU time)",
-                    f"{at['ratio_cpu']:.2f} [rounds {at['spread_cpu']}] (wall {at['ratio_wall']:.2f})",
-                    "<= 1.15",
-                    at["ratio_cpu"] <= 1.15))
-    if at["temp_ratio"] is not None:
-      summary.append((f"in-step scan / big batch, temporary memory, k={target_k}",
-                      f"{at['temp_ratio']:.3f}", f"~ 1/{target_k} = {1 / target_k:.3f} (activations)",
-                      at["temp_ratio"] <= 2.0 / target_k))
-  return Section("2. In-step scan vs big batch: jaxaccum.accumulate_gradients",
-                 body, summary, {"results": results})
+    """Times the big-batch step and the accumulated step for each ``k``."""
+    programs = {"big batch": build(model, None, global_rows)}
+    for k in ks:
+        programs[f"k={k}"] = build(model, k, global_rows)
+    timings = _common.interleaved(programs, rounds)
+    big = timings["big batch"]
+    big_temp = temp_bytes(programs["big batch"].compiled)
+    results = []
+    for name, program in programs.items():
+        t = timings[name]
+        temp = temp_bytes(program.compiled)
+        results.append(
+            {
+                "name": name,
+                "k": None if name == "big batch" else int(name[2:]),
+                "wall": t.wall,
+                "cpu": t.cpu,
+                "ratio_wall": _common.paired_ratio(t.walls, big.walls),
+                "ratio_cpu": _common.paired_ratio(t.cpus, big.cpus),
+                "spread_cpu": _common.paired_spread(t.cpus, big.cpus),
+                "temp_bytes": temp,
+                "temp_ratio": None if temp is None or not big_temp else temp / big_temp,
+            }
+        )
+    rows = [
+        [
+            r["name"],
+            ms(r["wall"]),
+            ms(r["cpu"]),
+            f"{r['ratio_wall']:.2f}",
+            f"{r['ratio_cpu']:.2f}",
+            "n/a" if r["temp_bytes"] is None else mib(r["temp_bytes"]),
+            "n/a" if r["temp_ratio"] is None else f"{r['temp_ratio']:.3f}",
+        ]
+        for r in results
+    ]
+    body = "\n".join(
+        [
+            f"{model.name}; global batch {global_rows} rows x {model.tokens_per_row} tokens, "
+            "AdamW, parameters and optimizer state donated. Times in ms (medians over interleaved "
+            "rounds); ratios against the big-batch step (median of the per-round ratios); temporary memory from "
+            "`compiled.memory_analysis().temp_size_in_bytes`.",
+            "",
+            table(
+                ["step", "wall", "CPU", "ratio wall", "ratio CPU", "temp MiB", "temp / big batch"],
+                rows,
+            ),
+            "",
+            "CPU time above wall time means XLA ran the step on more than one core. A micro-batch "
+            "leaves less work to split between cores than the big batch, so on an idle multi-core "
+            "host the time ratio grows with k; when each step gets one core, the scan's smaller "
+            "working set can make it faster than the big batch. Compare the ratio with the "
+            "CPU/wall columns of the same run.",
+        ]
+    )
+    at = next((r for r in results if r["k"] == target_k), None)
+    summary = []
+    if at is not None:
+        summary.append(
+            (
+                f"in-step scan / big batch, time, k={target_k} (CPU time)",
+                f"{at['ratio_cpu']:.2f} [rounds {at['spread_cpu']}] (wall {at['ratio_wall']:.2f})",
+                "<= 1.15",
+                at["ratio_cpu"] <= 1.15,
+            )
+        )
+        if at["temp_ratio"] is not None:
+            summary.append(
+                (
+                    f"in-step scan / big batch, temporary memory, k={target_k}",
+                    f"{at['temp_ratio']:.3f}",
+                    f"~ 1/{target_k} = {1 / target_k:.3f} (activations)",
+                    at["temp_ratio"] <= 2.0 / target_k,
+                )
+            )
+    return Section(
+        "2. In-step scan vs big batch: jaxaccum.accumulate_gradients",
+        body,
+        summary,
+        {"results": results},
+    )

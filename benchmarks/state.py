@@ -20,30 +20,63 @@ SMALL_DIFFERENCE = 256  # bytes: "equal up to a few scalars" (a few dozen 4-byte
 
 
 def run(models: list[Model], *, k: int = 4) -> Section:
-  """State bytes of both wrappers around AdamW (and the bare AdamW state) per model."""
-  results = []
-  for model in models:
-    shapes = lambda tx: jax.eval_shape(tx.init, model.params)
-    inner = tree_bytes(shapes(optax.adamw(1e-4)))
-    ours = shapes(jaxaccum.multi_steps(optax.adamw(1e-4), k))
-    theirs = shapes(optax.MultiSteps(optax.adamw(1e-4), k))
-    results.append({
-        "model": model.name, "param_bytes": tree_bytes(model.params), "inner_bytes": inner,
-        "jaxaccum_bytes": tree_bytes(ours), "optax_bytes": tree_bytes(theirs),
-        "jaxaccum_leaves": len(jax.tree.leaves(ours)), "optax_leaves": len(jax.tree.leaves(theirs)),
-    })
-  for r in results:
-    r["difference"] = r["jaxaccum_bytes"] - r["optax_bytes"]
-  rows = [[r["model"], r["param_bytes"], r["inner_bytes"], r["jaxaccum_bytes"], r["optax_bytes"],
-           r["difference"], f"{r['jaxaccum_leaves']} / {r['optax_leaves']}"] for r in results]
-  body = "\n".join([
-      "Bytes of the optimizer state (inner AdamW), from `jax.eval_shape(tx.init, params)`.",
-      "",
-      table(["model", "params", "AdamW alone", "jaxaccum.multi_steps", "optax.MultiSteps",
-             "difference", "leaves (jaxaccum / optax)"], rows),
-  ])
-  summary = [(f"state bytes, jaxaccum - optax.MultiSteps, {r['model'].split(' (')[0]}",
-              f"{r['difference']:+d} B of {r['optax_bytes']} B",
-              f"equal up to a few scalars (difference <= {SMALL_DIFFERENCE} B)",
-              abs(r["difference"]) <= SMALL_DIFFERENCE) for r in results]
-  return Section("4. State memory", body, summary, {"results": results})
+    """State bytes of both wrappers around AdamW (and the bare AdamW state) per model."""
+    results = []
+    for model in models:
+        shapes = lambda tx: jax.eval_shape(tx.init, model.params)
+        inner = tree_bytes(shapes(optax.adamw(1e-4)))
+        ours = shapes(jaxaccum.multi_steps(optax.adamw(1e-4), k))
+        theirs = shapes(optax.MultiSteps(optax.adamw(1e-4), k))
+        results.append(
+            {
+                "model": model.name,
+                "param_bytes": tree_bytes(model.params),
+                "inner_bytes": inner,
+                "jaxaccum_bytes": tree_bytes(ours),
+                "optax_bytes": tree_bytes(theirs),
+                "jaxaccum_leaves": len(jax.tree.leaves(ours)),
+                "optax_leaves": len(jax.tree.leaves(theirs)),
+            }
+        )
+    for r in results:
+        r["difference"] = r["jaxaccum_bytes"] - r["optax_bytes"]
+    rows = [
+        [
+            r["model"],
+            r["param_bytes"],
+            r["inner_bytes"],
+            r["jaxaccum_bytes"],
+            r["optax_bytes"],
+            r["difference"],
+            f"{r['jaxaccum_leaves']} / {r['optax_leaves']}",
+        ]
+        for r in results
+    ]
+    body = "\n".join(
+        [
+            "Bytes of the optimizer state (inner AdamW), from `jax.eval_shape(tx.init, params)`.",
+            "",
+            table(
+                [
+                    "model",
+                    "params",
+                    "AdamW alone",
+                    "jaxaccum.multi_steps",
+                    "optax.MultiSteps",
+                    "difference",
+                    "leaves (jaxaccum / optax)",
+                ],
+                rows,
+            ),
+        ]
+    )
+    summary = [
+        (
+            f"state bytes, jaxaccum - optax.MultiSteps, {r['model'].split(' (')[0]}",
+            f"{r['difference']:+d} B of {r['optax_bytes']} B",
+            f"equal up to a few scalars (difference <= {SMALL_DIFFERENCE} B)",
+            abs(r["difference"]) <= SMALL_DIFFERENCE,
+        )
+        for r in results
+    ]
+    return Section("4. State memory", body, summary, {"results": results})

@@ -18,10 +18,9 @@ gradient with respect to ``w`` equals the loss.
 
 from __future__ import annotations
 
-import _common  # noqa: F401  (CPU set-up, before JAX runs)
-
 import functools
 
+import _common  # noqa: F401  (CPU set-up, before JAX runs)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,79 +34,93 @@ REPORTED = 0.42  # the loss at k = 1 in the report
 
 
 def micro_batches(means) -> np.ndarray:
-  """Per-token losses ``[k, 2, 5]``: micro-batch m has token mean ``means[m]``."""
-  return np.asarray(means, np.float32)[:, None, None] * MASK
+    """Per-token losses ``[k, 2, 5]``: micro-batch m has token mean ``means[m]``."""
+    return np.asarray(means, np.float32)[:, None, None] * MASK
 
 
 @jax.jit
 def without_1_over_k(token_losses, present):
-  """The bug: each micro-batch's token mean, backward on each, no / k. (loss, grad).
+    """The bug: each micro-batch's token mean, backward on each, no / k. (loss, grad).
 
-  ``present`` marks the k real micro-batches among 8 slots (one compilation for every k).
-  """
-  def window_loss(w):
-    means = jnp.sum(w * token_losses * MASK, axis=(1, 2)) / jnp.sum(MASK)
-    return jnp.sum(present * means)  # the gradients of the k micro-batches add up: x k
-  return jax.value_and_grad(window_loss)(jnp.float32(1.0))
+    ``present`` marks the k real micro-batches among 8 slots (one compilation for every k).
+    """
+
+    def window_loss(w):
+        means = jnp.sum(w * token_losses * MASK, axis=(1, 2)) / jnp.sum(MASK)
+        return jnp.sum(present * means)  # the gradients of the k micro-batches add up: x k
+
+    return jax.value_and_grad(window_loss)(jnp.float32(1.0))
 
 
 def padded(token_losses):
-  """``[k, 2, 5]`` -> 8 slots and the mask of the real ones."""
-  k = token_losses.shape[0]
-  return (np.concatenate([token_losses, np.zeros((8 - k,) + token_losses.shape[1:], np.float32)]),
-          (np.arange(8) < k).astype(np.float32))
+    """``[k, 2, 5]`` -> 8 slots and the mask of the real ones."""
+    k = token_losses.shape[0]
+    return (
+        np.concatenate([token_losses, np.zeros((8 - k,) + token_losses.shape[1:], np.float32)]),
+        (np.arange(8) < k).astype(np.float32),
+    )
 
 
 @functools.cache
 def jaxaccum_micro_step(k: int):
-  """One jitted micro-step of jaxaccum.multi_steps(sgd(1), k) fed policy_gradient('dapo')."""
-  tx = jaxaccum.multi_steps(optax.sgd(1.0), every_k_schedule=k)
+    """One jitted micro-step of jaxaccum.multi_steps(sgd(1), k) fed policy_gradient('dapo')."""
+    tx = jaxaccum.multi_steps(optax.sgd(1.0), every_k_schedule=k)
 
-  @jax.jit
-  def micro_step(w, state, token_losses):
-    loss_fn = lambda w: jaxaccum.losses.policy_gradient(w * token_losses, MASK, loss_type="dapo")
-    (loss_sum, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
-    update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
-    return optax.apply_updates(w, update), state
+    @jax.jit
+    def micro_step(w, state, token_losses):
+        loss_fn = lambda w: jaxaccum.losses.policy_gradient(
+            w * token_losses, MASK, loss_type="dapo"
+        )
+        (loss_sum, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
+        update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
+        return optax.apply_updates(w, update), state
 
-  return jax.jit(tx.init)(jnp.float32(1.0)), micro_step
+    return jax.jit(tx.init)(jnp.float32(1.0)), micro_step
 
 
 def with_jaxaccum(token_losses, k):
-  """The window loss jaxaccum logs and its gradient (= -update, SGD with lr 1)."""
-  state, micro_step = jaxaccum_micro_step(k)
-  w = jnp.float32(1.0)
-  for m in range(k):
-    w, state = micro_step(w, state, token_losses[m])
-  return float(jaxaccum.window_metrics(state)["loss"]), 1.0 - float(w)
+    """The window loss jaxaccum logs and its gradient (= -update, SGD with lr 1)."""
+    state, micro_step = jaxaccum_micro_step(k)
+    w = jnp.float32(1.0)
+    for m in range(k):
+        w, state = micro_step(w, state, token_losses[m])
+    return float(jaxaccum.window_metrics(state)["loss"]), 1.0 - float(w)
 
 
 def main() -> int:
-  print("Lesson 2: the missing 1/k (DAPO)")
-  print(f"every micro-batch has token-mean loss {REPORTED}; w is a scalar the loss is linear in\n")
-  print(f"{'k':>3} | {'no 1/k: loss':>12} {'grad':>6} {'= lr x':>7} | {'jaxaccum: loss':>14} {'grad':>6}")
-  for k in (1, 2, 4, 8):
-    tokens = micro_batches([REPORTED] * k)
-    bad_loss, bad_grad = map(float, without_1_over_k(*padded(tokens)))
-    our_loss, our_grad = map(float, with_jaxaccum(tokens, k))
-    print(f"{k:>3} | {bad_loss:>12.2f} {bad_grad:>6.2f} {bad_grad / our_grad:>7.1f} |"
-          f" {our_loss:>14.2f} {our_grad:>6.2f}")
-    # float32 sums of k * 8 copies of 0.42: 1e-6 relative
-    assert abs(bad_loss - REPORTED * k) <= 1e-6 * k and abs(bad_grad - REPORTED * k) <= 1e-6 * k
-    assert abs(our_loss - REPORTED) <= 1e-6 and abs(our_grad - REPORTED) <= 1e-6
+    print("Lesson 2: the missing 1/k (DAPO)")
+    print(
+        f"every micro-batch has token-mean loss {REPORTED}; w is a scalar the loss is linear in\n"
+    )
+    print(
+        f"{'k':>3} | {'no 1/k: loss':>12} {'grad':>6} {'= lr x':>7} | {'jaxaccum: loss':>14} {'grad':>6}"
+    )
+    for k in (1, 2, 4, 8):
+        tokens = micro_batches([REPORTED] * k)
+        bad_loss, bad_grad = map(float, without_1_over_k(*padded(tokens)))
+        our_loss, our_grad = map(float, with_jaxaccum(tokens, k))
+        print(
+            f"{k:>3} | {bad_loss:>12.2f} {bad_grad:>6.2f} {bad_grad / our_grad:>7.1f} |"
+            f" {our_loss:>14.2f} {our_grad:>6.2f}"
+        )
+        # float32 sums of k * 8 copies of 0.42: 1e-6 relative
+        assert abs(bad_loss - REPORTED * k) <= 1e-6 * k and abs(bad_grad - REPORTED * k) <= 1e-6 * k
+        assert abs(our_loss - REPORTED) <= 1e-6 and abs(our_grad - REPORTED) <= 1e-6
 
-  # The reference article's four micro-batch losses.
-  means = [0.42, 0.40, 0.44, 0.41]
-  bad_loss, _ = map(float, without_1_over_k(*padded(micro_batches(means))))
-  our_loss, _ = map(float, with_jaxaccum(micro_batches(means), 4))
-  print(f"\nmicro-batch losses {', '.join(f'{x:.2f}' for x in means)}: without 1/k {bad_loss:.3f},"
+    # The reference article's four micro-batch losses.
+    means = [0.42, 0.40, 0.44, 0.41]
+    bad_loss, _ = map(float, without_1_over_k(*padded(micro_batches(means))))
+    our_loss, _ = map(float, with_jaxaccum(micro_batches(means), 4))
+    print(
+        f"\nmicro-batch losses {', '.join(f'{x:.2f}' for x in means)}: without 1/k {bad_loss:.3f},"
         f" jaxaccum {our_loss:.3f}"
-        f" (ratio {bad_loss / our_loss:.1f}x = k)")
-  # float32: sums of 32 numbers near 0.4, 1e-6 relative
-  assert abs(bad_loss - sum(means)) <= 1e-6 and abs(our_loss - sum(means) / 4) <= 1e-6
-  print("At k=4 the loss 0.42 becomes 1.68 and so does the gradient: the learning rate x 4.")
-  return 0
+        f" (ratio {bad_loss / our_loss:.1f}x = k)"
+    )
+    # float32: sums of 32 numbers near 0.4, 1e-6 relative
+    assert abs(bad_loss - sum(means)) <= 1e-6 and abs(our_loss - sum(means) / 4) <= 1e-6
+    print("At k=4 the loss 0.42 becomes 1.68 and so does the gradient: the learning rate x 4.")
+    return 0
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+    raise SystemExit(main())

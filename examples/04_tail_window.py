@@ -20,7 +20,6 @@ mean of ``a``, and SGD with lr 1 makes the update minus that gradient.
 from __future__ import annotations
 
 import _common  # noqa: F401  (CPU set-up, before JAX runs)
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,60 +32,76 @@ TX = jaxaccum.multi_steps(optax.sgd(1.0), every_k_schedule=K)
 
 
 def epoch(seed: int = 0) -> np.ndarray:
-  """Token values ``a`` of the epoch's micro-batches ``[10, 8]``."""
-  return np.random.default_rng(seed).uniform(0.5, 1.5, (MICRO_BATCHES, TOKENS)).astype(np.float32)
+    """Token values ``a`` of the epoch's micro-batches ``[10, 8]``."""
+    return np.random.default_rng(seed).uniform(0.5, 1.5, (MICRO_BATCHES, TOKENS)).astype(np.float32)
 
 
 @jax.jit
 def micro_step(w, state, a, end_window):
-  loss_fn = lambda w: (jnp.sum(w * a), jnp.float32(a.size))  # (loss_sum, valid tokens)
-  (loss_sum, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
-  update, state = TX.update(grad, state, w, count=count, loss_sum=loss_sum, end_window=end_window)
-  return w + update, state, -update  # with lr 1: -update is the window gradient
+    loss_fn = lambda w: (jnp.sum(w * a), jnp.float32(a.size))  # (loss_sum, valid tokens)
+    (loss_sum, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
+    update, state = TX.update(grad, state, w, count=count, loss_sum=loss_sum, end_window=end_window)
+    return w + update, state, -update  # with lr 1: -update is the window gradient
 
 
 def main() -> int:
-  a = epoch()
-  windows = [range(0, 4), range(4, 8), range(8, 10)]
-  print("Lesson 4: the tail window")
-  print(f"epoch of {MICRO_BATCHES} micro-batches x {TOKENS} tokens, k={K}:"
-        f" windows of {[len(w) for w in windows]} micro-batches\n")
+    a = epoch()
+    windows = [range(0, 4), range(4, 8), range(8, 10)]
+    print("Lesson 4: the tail window")
+    print(
+        f"epoch of {MICRO_BATCHES} micro-batches x {TOKENS} tokens, k={K}:"
+        f" windows of {[len(w) for w in windows]} micro-batches\n"
+    )
 
-  w, state = jnp.float32(1.0), jax.jit(TX.init)(jnp.float32(1.0))
-  print(f"{'window':>6} {'micro-batches':>13} {'tokens':>6} | {'big batch':>9} {'jaxaccum':>9}"
-        f" | {'fixed / k':>9} {'ratio':>6}")
-  for i, window in enumerate(windows):
-    for m in window:
-      w, state, grad = micro_step(w, state, a[m], jnp.asarray(m == MICRO_BATCHES - 1))
-    metrics = jaxaccum.window_metrics(state)
-    big = float(np.mean(a[list(window)]))  # the big batch of this window's tokens
-    fixed = float(sum(np.mean(a[m]) / K for m in window))  # each micro-batch mean / k, added
-    ours = float(grad)
-    print(f"{i + 1:>6} {len(window):>13} {int(metrics['window_count']):>6} | {big:>9.4f} {ours:>9.4f}"
-          f" | {fixed:>9.4f} {fixed / big:>6.2f}")
-    # float32 means of 8-32 numbers near 1: 1e-6 relative
-    assert abs(ours - big) <= 1e-6 * big
-    assert int(metrics["update_id"]) == i + 1 and int(metrics["window_count"]) == TOKENS * len(window)
-    assert abs(fixed / big - len(window) / K) <= 1e-6  # the tail: 2 / 4
+    w, state = jnp.float32(1.0), jax.jit(TX.init)(jnp.float32(1.0))
+    print(
+        f"{'window':>6} {'micro-batches':>13} {'tokens':>6} | {'big batch':>9} {'jaxaccum':>9}"
+        f" | {'fixed / k':>9} {'ratio':>6}"
+    )
+    for i, window in enumerate(windows):
+        for m in window:
+            w, state, grad = micro_step(w, state, a[m], jnp.asarray(m == MICRO_BATCHES - 1))
+        metrics = jaxaccum.window_metrics(state)
+        big = float(np.mean(a[list(window)]))  # the big batch of this window's tokens
+        fixed = float(sum(np.mean(a[m]) / K for m in window))  # each micro-batch mean / k, added
+        ours = float(grad)
+        print(
+            f"{i + 1:>6} {len(window):>13} {int(metrics['window_count']):>6} | {big:>9.4f} {ours:>9.4f}"
+            f" | {fixed:>9.4f} {fixed / big:>6.2f}"
+        )
+        # float32 means of 8-32 numbers near 1: 1e-6 relative
+        assert abs(ours - big) <= 1e-6 * big
+        assert int(metrics["update_id"]) == i + 1 and int(metrics["window_count"]) == TOKENS * len(
+            window
+        )
+        assert abs(fixed / big - len(window) / K) <= 1e-6  # the tail: 2 / 4
 
-  # The same epoch without end_window: the tail stays open.
-  w, state = jnp.float32(1.0), jax.jit(TX.init)(jnp.float32(1.0))
-  for m in range(MICRO_BATCHES):
-    w, state, _ = micro_step(w, state, a[m], jnp.asarray(False))
-  pending, updates = int(state.window_step), int(state.update_id)
-  print(f"\nwithout end_window: {updates} updates after the epoch, {pending} micro-batches"
-        f" ({int(state.count)} tokens) wait in the open window")
-  b = epoch(seed=1)  # the next epoch
-  for m in range(K - pending):
-    w, state, grad = micro_step(w, state, b[m], jnp.asarray(False))
-  mixed = np.concatenate([a[8:], b[:K - pending]])
-  print(f"  and close with the next epoch's first {K - pending}: window of"
+    # The same epoch without end_window: the tail stays open.
+    w, state = jnp.float32(1.0), jax.jit(TX.init)(jnp.float32(1.0))
+    for m in range(MICRO_BATCHES):
+        w, state, _ = micro_step(w, state, a[m], jnp.asarray(False))
+    pending, updates = int(state.window_step), int(state.update_id)
+    print(
+        f"\nwithout end_window: {updates} updates after the epoch, {pending} micro-batches"
+        f" ({int(state.count)} tokens) wait in the open window"
+    )
+    b = epoch(seed=1)  # the next epoch
+    for m in range(K - pending):
+        w, state, grad = micro_step(w, state, b[m], jnp.asarray(False))
+    mixed = np.concatenate([a[8:], b[: K - pending]])
+    print(
+        f"  and close with the next epoch's first {K - pending}: window of"
         f" {int(jaxaccum.window_metrics(state)['window_count'])} tokens from two epochs,"
-        f" gradient {float(grad):.4f} = their mean {float(np.mean(mixed)):.4f}")
-  assert (updates, pending) == (2, 2) and abs(float(grad) - float(np.mean(mixed))) <= 1e-6  # float32 mean of 32
-  print("The fixed divisor gives the tail window 0.50 of its gradient; end_window=True gives 1.00.")
-  return 0
+        f" gradient {float(grad):.4f} = their mean {float(np.mean(mixed)):.4f}"
+    )
+    assert (updates, pending) == (2, 2) and abs(
+        float(grad) - float(np.mean(mixed))
+    ) <= 1e-6  # float32 mean of 32
+    print(
+        "The fixed divisor gives the tail window 0.50 of its gradient; end_window=True gives 1.00."
+    )
+    return 0
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+    raise SystemExit(main())

@@ -17,10 +17,9 @@ applied gradient.
 
 from __future__ import annotations
 
-import _common  # noqa: F401  (CPU set-up, before JAX runs)
-
 import math
 
+import _common  # noqa: F401  (CPU set-up, before JAX runs)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,56 +32,65 @@ MICRO_BATCHES = [np.array([[10.0, 0.0]]), np.array([[0.0, 1.0]] * 3)]  # token i
 
 
 def run(tx):
-  """Two micro-steps of ``tx``; returns the applied gradient and the window record."""
+    """Two micro-steps of ``tx``; returns the applied gradient and the window record."""
 
-  @jax.jit
-  def micro_step(w, state, x):
-    loss_fn = lambda w: (jnp.sum(x @ w), jnp.float32(x.shape[0]))  # (loss_sum, tokens)
-    (loss_sum, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
-    update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
-    return update, state
+    @jax.jit
+    def micro_step(w, state, x):
+        loss_fn = lambda w: (jnp.sum(x @ w), jnp.float32(x.shape[0]))  # (loss_sum, tokens)
+        (loss_sum, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
+        update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
+        return update, state
 
-  w = np.zeros(2, np.float32)
-  state = jax.jit(tx.init)(w)
-  for x in MICRO_BATCHES:
-    update, state = micro_step(w, state, jnp.asarray(x, jnp.float32))
-  return -np.asarray(update), jaxaccum.window_metrics(state)
+    w = np.zeros(2, np.float32)
+    state = jax.jit(tx.init)(w)
+    for x in MICRO_BATCHES:
+        update, state = micro_step(w, state, jnp.asarray(x, jnp.float32))
+    return -np.asarray(update), jaxaccum.window_metrics(state)
 
 
 def angle(v) -> float:
-  return math.degrees(math.atan2(float(v[1]), float(v[0])))
+    return math.degrees(math.atan2(float(v[1]), float(v[0])))
 
 
 def main() -> int:
-  big = sum(x.sum(0) for x in MICRO_BATCHES) / sum(len(x) for x in MICRO_BATCHES)
-  window, metrics = run(jaxaccum.multi_steps(optax.sgd(1.0), 2, max_grad_norm=MAX_NORM))
-  per_mb, _ = run(optax.chain(optax.clip_by_global_norm(MAX_NORM),
-                              jaxaccum.multi_steps(optax.sgd(1.0), 2)))
+    big = sum(x.sum(0) for x in MICRO_BATCHES) / sum(len(x) for x in MICRO_BATCHES)
+    window, metrics = run(jaxaccum.multi_steps(optax.sgd(1.0), 2, max_grad_norm=MAX_NORM))
+    per_mb, _ = run(
+        optax.chain(optax.clip_by_global_norm(MAX_NORM), jaxaccum.multi_steps(optax.sgd(1.0), 2))
+    )
 
-  print("Lesson 5: clipping per window vs per micro-batch")
-  print(f"big-batch gradient {big.tolist()}, norm {np.linalg.norm(big):.3f},"
-        f" angle {angle(big):.2f} deg; max_grad_norm {MAX_NORM}\n")
-  print(f"  {'':52} {'applied gradient':>18} {'norm':>6} {'angle':>7}")
-  rows = [("multi_steps(..., max_grad_norm=1.0): the window", window),
-          ("chain(clip_by_global_norm(1.0), multi_steps): each", per_mb)]
-  for name, g in rows:
-    print(f"  {name:52} ({g[0]:.3f}, {g[1]:.3f})  {np.linalg.norm(g):>6.3f} {angle(g):>6.2f}")
-  print("clip coefficient (PyTorch's clip_grad_norm_): min(1, max_grad_norm / (norm + 1e-6))")
-  print(f"\nwindow record: grad_norm {float(metrics['grad_norm']):.3f} before clipping,"
-        f" grad_norm_clipped {float(metrics['grad_norm_clipped']):.3f}")
-  error = angle(per_mb) - angle(big)
-  print(f"Per micro-batch: each summed-loss gradient (norm 10 and 3) is cut to 1 before adding,"
-        f" so the update turns by {error:.2f} deg and shrinks to norm {np.linalg.norm(per_mb):.3f}.")
+    print("Lesson 5: clipping per window vs per micro-batch")
+    print(
+        f"big-batch gradient {big.tolist()}, norm {np.linalg.norm(big):.3f},"
+        f" angle {angle(big):.2f} deg; max_grad_norm {MAX_NORM}\n"
+    )
+    print(f"  {'':52} {'applied gradient':>18} {'norm':>6} {'angle':>7}")
+    rows = [
+        ("multi_steps(..., max_grad_norm=1.0): the window", window),
+        ("chain(clip_by_global_norm(1.0), multi_steps): each", per_mb),
+    ]
+    for name, g in rows:
+        print(f"  {name:52} ({g[0]:.3f}, {g[1]:.3f})  {np.linalg.norm(g):>6.3f} {angle(g):>6.2f}")
+    print("clip coefficient (PyTorch's clip_grad_norm_): min(1, max_grad_norm / (norm + 1e-6))")
+    print(
+        f"\nwindow record: grad_norm {float(metrics['grad_norm']):.3f} before clipping,"
+        f" grad_norm_clipped {float(metrics['grad_norm_clipped']):.3f}"
+    )
+    error = angle(per_mb) - angle(big)
+    print(
+        f"Per micro-batch: each summed-loss gradient (norm 10 and 3) is cut to 1 before adding,"
+        f" so the update turns by {error:.2f} deg and shrinks to norm {np.linalg.norm(per_mb):.3f}."
+    )
 
-  # PyTorch's clip formula: coef = 1 / (norm + 1e-6), so the clipped norm is 1 - 4e-7;
-  # float32 arithmetic on numbers of order 1: 1e-5.
-  assert abs(np.linalg.norm(window) - MAX_NORM) <= 1e-5
-  assert abs(angle(window) - angle(big)) <= 1e-4  # same direction as the big batch (degrees)
-  assert abs(float(metrics["grad_norm"]) - np.linalg.norm(big)) <= 1e-5
-  assert abs(angle(per_mb) - 45.0) <= 1e-4  # (1, 0) + (0, 1), over 4 tokens
-  assert abs(np.linalg.norm(per_mb) - math.sqrt(2) / 4) <= 1e-5
-  return 0
+    # PyTorch's clip formula: coef = 1 / (norm + 1e-6), so the clipped norm is 1 - 4e-7;
+    # float32 arithmetic on numbers of order 1: 1e-5.
+    assert abs(np.linalg.norm(window) - MAX_NORM) <= 1e-5
+    assert abs(angle(window) - angle(big)) <= 1e-4  # same direction as the big batch (degrees)
+    assert abs(float(metrics["grad_norm"]) - np.linalg.norm(big)) <= 1e-5
+    assert abs(angle(per_mb) - 45.0) <= 1e-4  # (1, 0) + (0, 1), over 4 tokens
+    assert abs(np.linalg.norm(per_mb) - math.sqrt(2) / 4) <= 1e-5
+    return 0
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+    raise SystemExit(main())

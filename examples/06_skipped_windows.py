@@ -23,11 +23,10 @@ micro-batch is ``g``. SGD with lr 0.1.
 
 from __future__ import annotations
 
-import _common  # noqa: F401  (CPU set-up, before JAX runs)
-
 import functools
 import math
 
+import _common  # noqa: F401  (CPU set-up, before JAX runs)
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,133 +41,158 @@ GRADS = [math.nan, 1.0, 2.0, 3.0, 4.0, 5.0]  # micro-batch gradients; windows of
 
 @functools.cache
 def jaxaccum_fns(k: int):
-  """jitted (init, micro_step) of multi_steps(sgd(LR), k); one compilation per k."""
-  tx = jaxaccum.multi_steps(optax.sgd(LR), every_k_schedule=k)
+    """jitted (init, micro_step) of multi_steps(sgd(LR), k); one compilation per k."""
+    tx = jaxaccum.multi_steps(optax.sgd(LR), every_k_schedule=k)
 
-  @jax.jit
-  def micro_step(w, state, g, n):
-    (loss_sum, count), grad = jax.value_and_grad(lambda w: (n * w * g, n), has_aux=True)(w)
-    update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
-    return w + update, state
+    @jax.jit
+    def micro_step(w, state, g, n):
+        (loss_sum, count), grad = jax.value_and_grad(lambda w: (n * w * g, n), has_aux=True)(w)
+        update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
+        return w + update, state
 
-  return jax.jit(tx.init), micro_step
+    return jax.jit(tx.init), micro_step
 
 
 def run_jaxaccum(grads, tokens=None, k=2):
-  """``w`` after the micro-batches, and the records of the closed windows."""
-  init, micro_step = jaxaccum_fns(k)
-  w = jnp.float32(1.0)
-  state, records = init(w), []
-  for i, g in enumerate(grads):
-    n = 1.0 if tokens is None else tokens[i]
-    w, state = micro_step(w, state, jnp.float32(g), jnp.float32(n))
-    if (i + 1) % k == 0:
-      records.append(jax.device_get(jaxaccum.window_metrics(state)))
-  return float(w), records, state
+    """``w`` after the micro-batches, and the records of the closed windows."""
+    init, micro_step = jaxaccum_fns(k)
+    w = jnp.float32(1.0)
+    state, records = init(w), []
+    for i, g in enumerate(grads):
+        n = 1.0 if tokens is None else tokens[i]
+        w, state = micro_step(w, state, jnp.float32(g), jnp.float32(n))
+        if (i + 1) % k == 0:
+            records.append(jax.device_get(jaxaccum.window_metrics(state)))
+    return float(w), records, state
 
 
 def run_optax(grads, skip_fn=None):
-  tx = optax.MultiSteps(optax.sgd(LR), every_k_schedule=2,
-                        **({} if skip_fn is None else {"should_skip_update_fn": skip_fn}))
-  step = jax.jit(lambda w, state, g: tx.update(g, state, w))
-  w = jnp.float32(1.0)
-  state = jax.jit(tx.init)(w)
-  for g in grads:
-    update, state = step(w, state, jnp.float32(g))
-    w = w + update
-  return float(w), int(state.gradient_step)
+    tx = optax.MultiSteps(
+        optax.sgd(LR),
+        every_k_schedule=2,
+        **({} if skip_fn is None else {"should_skip_update_fn": skip_fn}),
+    )
+    step = jax.jit(lambda w, state, g: tx.update(g, state, w))
+    w = jnp.float32(1.0)
+    state = jax.jit(tx.init)(w)
+    for g in grads:
+        update, state = step(w, state, jnp.float32(g))
+        w = w + update
+    return float(w), int(state.gradient_step)
 
 
 def part_nan() -> None:
-  print(f"1. micro-batch gradients {GRADS}, k=2, SGD lr {LR}, w starts at 1")
-  w, records, state = run_jaxaccum(GRADS)
-  for i, r in enumerate(records):
-    print(f"   jaxaccum window {i + 1}: skipped={bool(r['skipped'])!s:5}"
-          f" reason={SKIP_REASONS[int(r['skip_reason'])]:9} update_id={int(r['update_id'])}"
-          f" grad_norm={float(r['grad_norm']):.2f}")
-  plain, plain_updates = run_optax(GRADS)
-  per_mb, per_mb_updates = run_optax(GRADS, optax.skip_not_finite)
-  expected = 1.0 - LR * (2.5 + 4.5)  # windows {2, 3} and {4, 5}; window {nan, 1} dropped
-  print(f"   w after 6 micro-batches: jaxaccum {w:.2f} (windows [2, 3] and [4, 5] applied),"
+    print(f"1. micro-batch gradients {GRADS}, k=2, SGD lr {LR}, w starts at 1")
+    w, records, state = run_jaxaccum(GRADS)
+    for i, r in enumerate(records):
+        print(
+            f"   jaxaccum window {i + 1}: skipped={bool(r['skipped'])!s:5}"
+            f" reason={SKIP_REASONS[int(r['skip_reason'])]:9} update_id={int(r['update_id'])}"
+            f" grad_norm={float(r['grad_norm']):.2f}"
+        )
+    plain, plain_updates = run_optax(GRADS)
+    per_mb, per_mb_updates = run_optax(GRADS, optax.skip_not_finite)
+    expected = 1.0 - LR * (2.5 + 4.5)  # windows {2, 3} and {4, 5}; window {nan, 1} dropped
+    print(
+        f"   w after 6 micro-batches: jaxaccum {w:.2f} (windows [2, 3] and [4, 5] applied),"
         f" optax.MultiSteps {plain}, with skip_not_finite {per_mb:.2f}"
-        f" (windows [1, 2] and [3, 4]: the boundaries moved)")
-  # float32 arithmetic on a few numbers of order 1: 1e-6
-  assert abs(w - expected) <= 1e-6 and int(state.update_id) == 2 and int(state.skip_count) == 1
-  assert math.isnan(plain) and plain_updates == 3  # the NaN survives every later window
-  assert abs(per_mb - (1.0 - LR * (1.5 + 3.5))) <= 1e-6 and per_mb_updates == 2
-  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))  # the state keeps no NaN
+        f" (windows [1, 2] and [3, 4]: the boundaries moved)"
+    )
+    # float32 arithmetic on a few numbers of order 1: 1e-6
+    assert abs(w - expected) <= 1e-6 and int(state.update_id) == 2 and int(state.skip_count) == 1
+    assert math.isnan(plain) and plain_updates == 3  # the NaN survives every later window
+    assert abs(per_mb - (1.0 - LR * (1.5 + 3.5))) <= 1e-6 and per_mb_updates == 2
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))  # the state keeps no NaN
 
 
 def part_empty() -> None:
-  tokens = [0.0, 0.0, 1.0, 3.0]  # window 1: every label masked
-  w, records, _ = run_jaxaccum([7.0, 7.0, 2.0, 6.0], tokens)
-  with np.errstate(invalid="ignore"):
-    naive = float(np.float32(0.0) / np.float32(0.0))  # what sum / count gives
-  r = records[0]
-  print(f"\n2. a window with 0 valid tokens: window_count={float(r['window_count']):.0f},"
+    tokens = [0.0, 0.0, 1.0, 3.0]  # window 1: every label masked
+    w, records, _ = run_jaxaccum([7.0, 7.0, 2.0, 6.0], tokens)
+    with np.errstate(invalid="ignore"):
+        naive = float(np.float32(0.0) / np.float32(0.0))  # what sum / count gives
+    r = records[0]
+    print(
+        f"\n2. a window with 0 valid tokens: window_count={float(r['window_count']):.0f},"
         f" skipped={bool(r['skipped'])}, reason={SKIP_REASONS[int(r['skip_reason'])]},"
-        f" loss={float(r['loss']):.1f} (a plain sum / count gives 0/0 = {naive})")
-  print(f"   the next window applies normally: loss {float(records[1]['loss']):.2f}"
-        f" over {float(records[1]['window_count']):.0f} tokens, w = {w:.2f}")
-  assert bool(r["skipped"]) and int(r["skip_reason"]) == 1 and float(r["loss"]) == 0.0
-  # (1 * 2 + 3 * 6) / 4 = 5 at w = 1, then w = 1 - 0.1 * 5; float32: 1e-6
-  assert abs(float(records[1]["loss"]) - 5.0) <= 1e-6 and abs(w - 0.5) <= 1e-6
+        f" loss={float(r['loss']):.1f} (a plain sum / count gives 0/0 = {naive})"
+    )
+    print(
+        f"   the next window applies normally: loss {float(records[1]['loss']):.2f}"
+        f" over {float(records[1]['window_count']):.0f} tokens, w = {w:.2f}"
+    )
+    assert bool(r["skipped"]) and int(r["skip_reason"]) == 1 and float(r["loss"]) == 0.0
+    # (1 * 2 + 3 * 6) / 4 = 5 at w = 1, then w = 1 - 0.1 * 5; float32: 1e-6
+    assert abs(float(records[1]["loss"]) - 5.0) <= 1e-6 and abs(w - 0.5) <= 1e-6
 
 
 def part_loss_scale() -> None:
-  """fp16: w and the prediction in float16, the loss summed in float32 (like autocast)."""
-  scaling = jaxaccum.DynamicLossScale(init_scale=2.0**16, growth_interval=2)
-  tx = jaxaccum.multi_steps(optax.sgd(LR), every_k_schedule=2, loss_scaling=scaling)
-  x = np.ones(2, np.float16)  # two tokens per micro-batch, input 1
-  y = jnp.float32(0.25)  # residual w * x - y = 0.75 at w = 1
+    """fp16: w and the prediction in float16, the loss summed in float32 (like autocast)."""
+    scaling = jaxaccum.DynamicLossScale(init_scale=2.0**16, growth_interval=2)
+    tx = jaxaccum.multi_steps(optax.sgd(LR), every_k_schedule=2, loss_scaling=scaling)
+    x = np.ones(2, np.float16)  # two tokens per micro-batch, input 1
+    y = jnp.float32(0.25)  # residual w * x - y = 0.75 at w = 1
 
-  def loss_fn(w):  # per-token loss (w x - y)^2 / 2: gradient 0.75 per token at w = 1
-    return jnp.sum(0.5 * ((w * x).astype(jnp.float32) - y) ** 2), jnp.float32(x.size)
+    def loss_fn(w):  # per-token loss (w x - y)^2 / 2: gradient 0.75 per token at w = 1
+        return jnp.sum(0.5 * ((w * x).astype(jnp.float32) - y) ** 2), jnp.float32(x.size)
 
-  grad_fn = jaxaccum.value_and_grad(loss_fn)
+    grad_fn = jaxaccum.value_and_grad(loss_fn)
 
-  @jax.jit
-  def micro_step(w, state):
-    (loss_sum, count), grad = grad_fn(w, loss_scale=jaxaccum.loss_scale(state))
-    update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
-    return optax.apply_updates(w, update), state, grad
+    @jax.jit
+    def micro_step(w, state):
+        (loss_sum, count), grad = grad_fn(w, loss_scale=jaxaccum.loss_scale(state))
+        update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
+        return optax.apply_updates(w, update), state, grad
 
-  print("\n3. fp16 loss scaling: w in float16, 2 tokens per micro-batch with gradient 0.75 each"
-        f" at w = 1, k=2, SGD lr {LR}, growth_interval=2")
-  print(f"   {'window':>6} {'scale':>7} {'fp16 micro-batch grad':>21} {'applied':>7}"
-        f" {'reason':>9} {'grad_norm':>11} {'w':>8} {'next scale':>10}")
-  w, state, history = jnp.float16(1.0), jax.jit(tx.init)(jnp.float16(1.0)), []
-  for window in range(4):
-    scale = float(jaxaccum.loss_scale(state))
-    for _ in range(2):
-      w_before = float(w)
-      w, state, grad = micro_step(w, state)
-    r = jax.device_get(jaxaccum.window_metrics(state))
-    applied = not bool(r["skipped"])
-    history.append((scale, applied, float(r["loss_scale"])))
-    print(f"   {window + 1:>6} {scale:>7.0f} {float(grad):>21} {applied!s:>7}"
-          f" {SKIP_REASONS[int(r['skip_reason'])]:>9} {float(r['grad_norm']):>11.4f}"
-          f" {float(w):>8.4f} {float(r['loss_scale']):>10.0f}")
-    if applied:  # unscaled once: the float32 big-batch gradient (w - y), to fp16 rounding
-      assert abs(float(r["grad_norm"]) - (w_before - 0.25)) <= 1e-3  # fp16: 11-bit mantissa
-  # 0.75 * 2 tokens * 2^16 = 98304 > 65504 (fp16 max): inf; at 2^15: 49152 fits
-  assert history == [(65536.0, False, 32768.0), (32768.0, True, 32768.0),
-                     (32768.0, True, 65536.0), (65536.0, False, 32768.0)]
-  assert int(state.update_id) == 2 and int(state.skip_count) == 2
-  fp16_max = float(np.finfo(np.float16).max)
-  print(f"   fp16 max {fp16_max:.0f}: 0.75 x 2 tokens x 65536 = {1.5 * 65536:.0f} overflows,"
-        f" x 32768 = {1.5 * 32768:.0f} fits")
-  print("   an overflow at scale 65536 skips the window and halves the scale; 2 applied windows"
-        " double it again")
+    print(
+        "\n3. fp16 loss scaling: w in float16, 2 tokens per micro-batch with gradient 0.75 each"
+        f" at w = 1, k=2, SGD lr {LR}, growth_interval=2"
+    )
+    print(
+        f"   {'window':>6} {'scale':>7} {'fp16 micro-batch grad':>21} {'applied':>7}"
+        f" {'reason':>9} {'grad_norm':>11} {'w':>8} {'next scale':>10}"
+    )
+    w, state, history = jnp.float16(1.0), jax.jit(tx.init)(jnp.float16(1.0)), []
+    for window in range(4):
+        scale = float(jaxaccum.loss_scale(state))
+        for _ in range(2):
+            w_before = float(w)
+            w, state, grad = micro_step(w, state)
+        r = jax.device_get(jaxaccum.window_metrics(state))
+        applied = not bool(r["skipped"])
+        history.append((scale, applied, float(r["loss_scale"])))
+        print(
+            f"   {window + 1:>6} {scale:>7.0f} {float(grad):>21} {applied!s:>7}"
+            f" {SKIP_REASONS[int(r['skip_reason'])]:>9} {float(r['grad_norm']):>11.4f}"
+            f" {float(w):>8.4f} {float(r['loss_scale']):>10.0f}"
+        )
+        if applied:  # unscaled once: the float32 big-batch gradient (w - y), to fp16 rounding
+            assert abs(float(r["grad_norm"]) - (w_before - 0.25)) <= 1e-3  # fp16: 11-bit mantissa
+    # 0.75 * 2 tokens * 2^16 = 98304 > 65504 (fp16 max): inf; at 2^15: 49152 fits
+    assert history == [
+        (65536.0, False, 32768.0),
+        (32768.0, True, 32768.0),
+        (32768.0, True, 65536.0),
+        (65536.0, False, 32768.0),
+    ]
+    assert int(state.update_id) == 2 and int(state.skip_count) == 2
+    fp16_max = float(np.finfo(np.float16).max)
+    print(
+        f"   fp16 max {fp16_max:.0f}: 0.75 x 2 tokens x 65536 = {1.5 * 65536:.0f} overflows,"
+        f" x 32768 = {1.5 * 32768:.0f} fits"
+    )
+    print(
+        "   an overflow at scale 65536 skips the window and halves the scale; 2 applied windows"
+        " double it again"
+    )
 
 
 def main() -> int:
-  print("Lesson 6: skipped windows\n")
-  part_nan()
-  part_empty()
-  part_loss_scale()
-  return 0
+    print("Lesson 6: skipped windows\n")
+    part_nan()
+    part_empty()
+    part_loss_scale()
+    return 0
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+    raise SystemExit(main())

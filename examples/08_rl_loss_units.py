@@ -22,18 +22,17 @@ gradient with respect to ``w`` equals the window loss, and is checked too.
 
 from __future__ import annotations
 
-import _common  # noqa: F401  (CPU set-up, before JAX runs)
-
 import functools
 
+import _common  # noqa: F401  (CPU set-up, before JAX runs)
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _common import use_cpu_devices
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from _common import use_cpu_devices
 
 AXIS = "data"
 LENGTHS = [3, 40, 7, 120, 1, 60, 15, 90]  # completion tokens of the 8 sequences
@@ -43,90 +42,112 @@ LAYOUTS = [(1, 1), (1, 4), (4, 2)]  # (R devices, k micro-batches); (1, 1) is th
 
 
 def window() -> tuple[np.ndarray, np.ndarray]:
-  """Per-token losses and the completion mask, ``[8, 128]``."""
-  rng = np.random.default_rng(0)
-  mask = np.arange(MAX_COMPLETION_LENGTH)[None] < np.array(LENGTHS)[:, None]
-  # -advantage * ratio: here the short completions were rewarded (advantage +1) and the
-  # long ones not (-1), as when failed answers ramble; ratio near 1.
-  advantage = np.where(np.array(LENGTHS) < 20, 1.0, -1.0)[:, None]
-  loss = -advantage * rng.uniform(0.9, 1.1, mask.shape)
-  return np.where(mask, loss, 0.0).astype(np.float32), mask
+    """Per-token losses and the completion mask, ``[8, 128]``."""
+    rng = np.random.default_rng(0)
+    mask = np.arange(MAX_COMPLETION_LENGTH)[None] < np.array(LENGTHS)[:, None]
+    # -advantage * ratio: here the short completions were rewarded (advantage +1) and the
+    # long ones not (-1), as when failed answers ramble; ratio near 1.
+    advantage = np.where(np.array(LENGTHS) < 20, 1.0, -1.0)[:, None]
+    loss = -advantage * rng.uniform(0.9, 1.1, mask.shape)
+    return np.where(mask, loss, 0.0).astype(np.float32), mask
 
 
 @functools.cache
 def layout_fn(devices: int, k: int):
-  """jit(shard_map): the four window losses and gradients for R x k micro-batches."""
-  mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
+    """jit(shard_map): the four window losses and gradients for R x k micro-batches."""
+    mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
 
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P())
-  def losses(token_loss, mask):  # this device's [1, k, rows, T]
-    out = {}
-    for loss_type in LOSS_TYPES:
-      def loss_fn(w, mb, loss_type=loss_type):
-        return jaxaccum.losses.policy_gradient(
-            w * mb["loss"], mb["mask"], loss_type=loss_type,
-            max_completion_length=MAX_COMPLETION_LENGTH)
-      grad, metrics = jaxaccum.accumulate_gradients(
-          loss_fn, jnp.float32(1.0), {"loss": token_loss[0], "mask": mask[0]}, axis_name=AXIS)
-      out[loss_type] = (metrics["loss"], grad)
-    return out
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXIS), P(AXIS)), out_specs=P())
+    def losses(token_loss, mask):  # this device's [1, k, rows, T]
+        out = {}
+        for loss_type in LOSS_TYPES:
 
-  return mesh, losses
+            def loss_fn(w, mb, loss_type=loss_type):
+                return jaxaccum.losses.policy_gradient(
+                    w * mb["loss"],
+                    mb["mask"],
+                    loss_type=loss_type,
+                    max_completion_length=MAX_COMPLETION_LENGTH,
+                )
+
+            grad, metrics = jaxaccum.accumulate_gradients(
+                loss_fn, jnp.float32(1.0), {"loss": token_loss[0], "mask": mask[0]}, axis_name=AXIS
+            )
+            out[loss_type] = (metrics["loss"], grad)
+        return out
+
+    return mesh, losses
 
 
 def run_layout(devices: int, k: int, token_loss, mask) -> dict[str, tuple[float, float]]:
-  mesh, losses = layout_fn(devices, k)
-  shape = (devices, k, len(LENGTHS) // (devices * k), MAX_COMPLETION_LENGTH)  # rows in order
-  put = lambda x: jax.device_put(x.reshape(shape), NamedSharding(mesh, P(AXIS)))
-  return {t: (float(l), float(g)) for t, (l, g) in losses(put(token_loss), put(mask)).items()}
+    mesh, losses = layout_fn(devices, k)
+    shape = (devices, k, len(LENGTHS) // (devices * k), MAX_COMPLETION_LENGTH)  # rows in order
+    put = lambda x: jax.device_put(x.reshape(shape), NamedSharding(mesh, P(AXIS)))
+    return {t: (float(l), float(g)) for t, (l, g) in losses(put(token_loss), put(mask)).items()}
 
 
 def main() -> int:
-  use_cpu_devices(max(r for r, _ in LAYOUTS))
-  token_loss, mask = window()
-  print("Lesson 8: RL loss units")
-  print(f"one window: 8 completions of {LENGTHS} tokens (max_completion_length"
-        f" {MAX_COMPLETION_LENGTH}), {int(mask.sum())} valid tokens\n")
-  results = {layout: run_layout(*layout, token_loss, mask) for layout in LAYOUTS}
+    use_cpu_devices(max(r for r, _ in LAYOUTS))
+    token_loss, mask = window()
+    print("Lesson 8: RL loss units")
+    print(
+        f"one window: 8 completions of {LENGTHS} tokens (max_completion_length"
+        f" {MAX_COMPLETION_LENGTH}), {int(mask.sum())} valid tokens\n"
+    )
+    results = {layout: run_layout(*layout, token_loss, mask) for layout in LAYOUTS}
 
-  # The big-batch objectives, in float64 numpy.
-  l64, n_tokens = token_loss.astype(np.float64), mask.sum(-1)
-  expected = {
-      "grpo": np.mean(l64.sum(-1) / n_tokens),
-      "dr_grpo": l64.sum() / (len(LENGTHS) * MAX_COMPLETION_LENGTH),
-      "dapo": l64.sum() / n_tokens.sum(),
-  }
-  print(f"window denominators: grpo {len(LENGTHS)} sequences, dr_grpo {len(LENGTHS)} x"
+    # The big-batch objectives, in float64 numpy.
+    l64, n_tokens = token_loss.astype(np.float64), mask.sum(-1)
+    expected = {
+        "grpo": np.mean(l64.sum(-1) / n_tokens),
+        "dr_grpo": l64.sum() / (len(LENGTHS) * MAX_COMPLETION_LENGTH),
+        "dapo": l64.sum() / n_tokens.sum(),
+    }
+    print(
+        f"window denominators: grpo {len(LENGTHS)} sequences, dr_grpo {len(LENGTHS)} x"
         f" {MAX_COMPLETION_LENGTH} = {len(LENGTHS) * MAX_COMPLETION_LENGTH}, dapo {int(mask.sum())}"
-        " tokens, bnpo R x k micro-batches\n")
-  print(f"{'loss_type':>9} | " + " | ".join(f"R={r} k={k}".rjust(8) for r, k in LAYOUTS)
-        + f" | {'spread':>8}")
-  for loss_type in LOSS_TYPES:
-    values = [results[layout][loss_type][0] for layout in LAYOUTS]
-    spread = max(values) - min(values)
-    print(f"{loss_type:>9} | " + " | ".join(f"{v:>8.4f}" for v in values) + f" | {spread:>8.4f}")
-    for layout in LAYOUTS:
-      loss, grad = results[layout][loss_type]
-      # float32 sums of up to 343 tokens: 1e-5 relative between the loss and its gradient
-      assert abs(grad - loss) <= 1e-5 * max(1.0, abs(loss)), (loss_type, layout)
-      if loss_type == "bnpo":  # the mean of the R * k local token means
-        r, k = layout
-        rows = np.split(np.arange(len(LENGTHS)), r * k)
-        local = [l64[i].sum() / max(1, n_tokens[i].sum()) for i in rows]
-        assert abs(loss - np.mean(local)) <= 1e-5 * max(1.0, abs(loss)), layout  # float32 sums
-      else:  # the big-batch objective, whatever the layout (float32 vs float64 sums: 1e-5)
-        assert abs(loss - expected[loss_type]) <= 1e-5 * max(1.0, abs(loss)), (loss_type, layout)
-  bnpo = [results[layout]["bnpo"][0] for layout in LAYOUTS]
-  assert max(bnpo) - min(bnpo) > 0.5  # a layout-dependent objective, far above rounding
-  # one micro-batch: bnpo is dapo; one sequence per micro-batch: bnpo is grpo (float32: 1e-5)
-  assert abs(results[(1, 1)]["bnpo"][0] - expected["dapo"]) <= 1e-5
-  assert abs(results[(4, 2)]["bnpo"][0] - expected["grpo"]) <= 1e-5
-  print("\ngrpo, dr_grpo and dapo: the same loss (and gradient) for every R and k.")
-  print("bnpo changes with the cut: it is dapo with one micro-batch and grpo with one"
-        " sequence per micro-batch.")
-  return 0
+        " tokens, bnpo R x k micro-batches\n"
+    )
+    print(
+        f"{'loss_type':>9} | "
+        + " | ".join(f"R={r} k={k}".rjust(8) for r, k in LAYOUTS)
+        + f" | {'spread':>8}"
+    )
+    for loss_type in LOSS_TYPES:
+        values = [results[layout][loss_type][0] for layout in LAYOUTS]
+        spread = max(values) - min(values)
+        print(
+            f"{loss_type:>9} | " + " | ".join(f"{v:>8.4f}" for v in values) + f" | {spread:>8.4f}"
+        )
+        for layout in LAYOUTS:
+            loss, grad = results[layout][loss_type]
+            # float32 sums of up to 343 tokens: 1e-5 relative between the loss and its gradient
+            assert abs(grad - loss) <= 1e-5 * max(1.0, abs(loss)), (loss_type, layout)
+            if loss_type == "bnpo":  # the mean of the R * k local token means
+                r, k = layout
+                rows = np.split(np.arange(len(LENGTHS)), r * k)
+                local = [l64[i].sum() / max(1, n_tokens[i].sum()) for i in rows]
+                assert abs(loss - np.mean(local)) <= 1e-5 * max(1.0, abs(loss)), (
+                    layout
+                )  # float32 sums
+            else:  # the big-batch objective, whatever the layout (float32 vs float64 sums: 1e-5)
+                assert abs(loss - expected[loss_type]) <= 1e-5 * max(1.0, abs(loss)), (
+                    loss_type,
+                    layout,
+                )
+    bnpo = [results[layout]["bnpo"][0] for layout in LAYOUTS]
+    assert max(bnpo) - min(bnpo) > 0.5  # a layout-dependent objective, far above rounding
+    # one micro-batch: bnpo is dapo; one sequence per micro-batch: bnpo is grpo (float32: 1e-5)
+    assert abs(results[(1, 1)]["bnpo"][0] - expected["dapo"]) <= 1e-5
+    assert abs(results[(4, 2)]["bnpo"][0] - expected["grpo"]) <= 1e-5
+    print("\ngrpo, dr_grpo and dapo: the same loss (and gradient) for every R and k.")
+    print(
+        "bnpo changes with the cut: it is dapo with one micro-batch and grpo with one"
+        " sequence per micro-batch."
+    )
+    return 0
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+    raise SystemExit(main())

@@ -19,77 +19,69 @@ def accumulate_gradients(
     axis_name: str | tuple[str, ...] | None = None,
     accumulator_dtype: Any = jnp.float32,
 ) -> tuple[Any, dict[str, jax.Array]]:
-  """The big-batch gradient of ``k`` micro-batches, inside one step.
+    """The big-batch gradient of ``k`` micro-batches, inside one step.
 
-  ``lax.scan`` runs over the leading axis of ``microbatches``; each iteration
-  adds the gradient of the micro-batch's SUMMED loss, the summed loss and its
-  count to three running sums (in ``accumulator_dtype``). After the scan the
-  sums go through the same :func:`~jaxaccum._normalize.normalize_window` as
-  :func:`jaxaccum.multi_steps`: one ``psum`` over ``axis_name`` (when given),
-  one division. Only one micro-batch's activations are alive at a time.
+    ``lax.scan`` runs over the leading axis of ``microbatches``; each iteration
+    adds the gradient of the micro-batch's SUMMED loss, the summed loss and its
+    count to three running sums (in ``accumulator_dtype``). After the scan the
+    sums go through the same :func:`~jaxaccum._normalize.normalize_window` as
+    :func:`jaxaccum.multi_steps`: one ``psum`` over ``axis_name`` (when given),
+    one division. Only one micro-batch's activations are alive at a time.
 
-  Args:
-    loss_fn: ``loss_fn(params, microbatch) -> (loss_sum, count)``: the summed
-      loss (differentiated) and its count of loss units (not differentiated),
-      e.g. built on :func:`jaxaccum.losses.causal_lm`.
-    params: the parameters.
-    microbatches: pytree whose leaves have a leading micro-batch axis ``k``.
-    axis_name: the ``pmap``/``shard_map`` axis to add the sums over, or
-      ``None`` (one device, or ``jit`` over sharded global arrays).
-    accumulator_dtype: dtype of the gradient sums.
+    Args:
+      loss_fn: ``loss_fn(params, microbatch) -> (loss_sum, count)``: the summed
+        loss (differentiated) and its count of loss units (not differentiated),
+        e.g. built on :func:`jaxaccum.losses.causal_lm`.
+      params: the parameters.
+      microbatches: pytree whose leaves have a leading micro-batch axis ``k``.
+      axis_name: the ``pmap``/``shard_map`` axis to add the sums over, or
+        ``None`` (one device, or ``jit`` over sharded global arrays).
+      accumulator_dtype: dtype of the gradient sums.
 
-  Returns:
-    ``(grads, metrics)``: the window gradient in the parameters' dtypes, and
-    ``{'loss', 'window_count', 'grad_norm'}`` (global, replicated). An empty
-    window (global count 0) gives zero gradients; check ``window_count``.
+    Returns:
+      ``(grads, metrics)``: the window gradient in the parameters' dtypes, and
+      ``{'loss', 'window_count', 'grad_norm'}`` (global, replicated). An empty
+      window (global count 0) gives zero gradients; check ``window_count``.
 
-  Example:
-    >>> import jax, jax.numpy as jnp, jaxaccum
-    >>> loss_fn = lambda p, b: (jnp.sum(b['n'] * (p - b['y']) ** 2), jnp.sum(b['n']))
-    >>> batches = {'y': jnp.array([1.0, 5.0]), 'n': jnp.array([3.0, 1.0])}
-    >>> grads, metrics = jaxaccum.accumulate_gradients(loss_fn, jnp.array(0.0), batches)
-    >>> float(grads), float(metrics['loss'])  # (3 * -2 + 1 * -10) / 4, (3 * 1 + 25) / 4
-    (-4.0, 7.0)
-  """
-  value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-  local_params = params
-  if axis_name is not None:
-    # Differentiate per device: w.r.t. replicated params JAX would psum every
-    # micro-batch's gradient; here the only psum is the one after the scan.
-    local_params = jax.lax.pcast(params, axis_name, to="varying")
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxaccum
+      >>> loss_fn = lambda p, b: (jnp.sum(b['n'] * (p - b['y']) ** 2), jnp.sum(b['n']))
+      >>> batches = {'y': jnp.array([1.0, 5.0]), 'n': jnp.array([3.0, 1.0])}
+      >>> grads, metrics = jaxaccum.accumulate_gradients(loss_fn, jnp.array(0.0), batches)
+      >>> float(grads), float(metrics['loss'])  # (3 * -2 + 1 * -10) / 4, (3 * 1 + 25) / 4
+      (-4.0, 7.0)
+    """
+    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+    local_params = params
+    if axis_name is not None:
+        # Differentiate per device: w.r.t. replicated params JAX would psum every
+        # micro-batch's gradient; here the only psum is the one after the scan.
+        local_params = jax.lax.pcast(params, axis_name, to="varying")
 
-  def add_microbatch(sums, microbatch):
-    grad_sum, loss_sum, count = sums
-    (mb_loss, mb_count), mb_grads = value_and_grad(local_params, microbatch)
-    grad_sum = jax.tree.map(
-        lambda s, g: s + g.astype(s.dtype), grad_sum, mb_grads
+    def add_microbatch(sums, microbatch):
+        grad_sum, loss_sum, count = sums
+        (mb_loss, mb_count), mb_grads = value_and_grad(local_params, microbatch)
+        grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, mb_grads)
+        return (
+            grad_sum,
+            loss_sum + mb_loss.astype(jnp.float32),
+            count + jnp.asarray(mb_count, jnp.float32),
+        ), None
+
+    zeros = (
+        jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), accumulator_dtype), params),
+        jnp.zeros((), jnp.float32),
+        jnp.zeros((), jnp.float32),
     )
-    return (
-        grad_sum,
-        loss_sum + mb_loss.astype(jnp.float32),
-        count + jnp.asarray(mb_count, jnp.float32),
-    ), None
-
-  zeros = (
-      jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), accumulator_dtype), params),
-      jnp.zeros((), jnp.float32),
-      jnp.zeros((), jnp.float32),
-  )
-  if axis_name is not None:
-    # The sums vary across devices: declare it, so the scan carry type is stable.
-    zeros = jax.tree.map(
-        lambda x: jax.lax.pcast(x, axis_name, to="varying"), zeros
-    )
-  (grad_sum, loss_sum, count), _ = jax.lax.scan(
-      add_microbatch, zeros, microbatches
-  )
-  totals = normalize_window(grad_sum, loss_sum, count, axis_name=axis_name)
-  grads = jax.tree.map(
-      lambda g, p: g.astype(jnp.result_type(p)), totals.grads, params
-  )
-  metrics = {
-      "loss": totals.loss,
-      "window_count": totals.window_count,
-      "grad_norm": totals.grad_norm,
-  }
-  return grads, metrics
+    if axis_name is not None:
+        # The sums vary across devices: declare it, so the scan carry type is stable.
+        zeros = jax.tree.map(lambda x: jax.lax.pcast(x, axis_name, to="varying"), zeros)
+    (grad_sum, loss_sum, count), _ = jax.lax.scan(add_microbatch, zeros, microbatches)
+    totals = normalize_window(grad_sum, loss_sum, count, axis_name=axis_name)
+    grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), totals.grads, params)
+    metrics = {
+        "loss": totals.loss,
+        "window_count": totals.window_count,
+        "grad_norm": totals.grad_norm,
+    }
+    return grads, metrics

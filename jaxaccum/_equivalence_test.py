@@ -42,122 +42,106 @@ PARAM_ATOL = 5e-5
 
 
 def adamw() -> optax.GradientTransformation:
-  return optax.adamw(LEARNING_RATE, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
+    return optax.adamw(LEARNING_RATE, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
 
 
 @jax.jit
 def big_batch_step(params, state, batch):
-  def mean_loss(p):
-    loss_sum, count = tiny_lm_loss(p, batch)
-    return loss_sum / count
+    def mean_loss(p):
+        loss_sum, count = tiny_lm_loss(p, batch)
+        return loss_sum / count
 
-  updates, state = adamw().update(jax.grad(mean_loss)(params), state, params)
-  return optax.apply_updates(params, updates), state
+    updates, state = adamw().update(jax.grad(mean_loss)(params), state, params)
+    return optax.apply_updates(params, updates), state
 
 
 def run_big_batch(windows: dict) -> dict:
-  """Reference: one plain AdamW step per window on the token-mean loss."""
-  params = tiny_lm_params()
-  state = adamw().init(params)
-  batches = big_batch(windows)
-  for w in range(NUM_UPDATES):
-    params, state = big_batch_step(params, state, jax.tree.map(lambda x: x[w], batches))
-  return params
+    """Reference: one plain AdamW step per window on the token-mean loss."""
+    params = tiny_lm_params()
+    state = adamw().init(params)
+    batches = big_batch(windows)
+    for w in range(NUM_UPDATES):
+        params, state = big_batch_step(params, state, jax.tree.map(lambda x: x[w], batches))
+    return params
 
 
 def local_grads(params, batch, axis_name):
-  """Per-device gradient of the summed loss (see multi_steps' shard_map note)."""
-  local_params = jax.lax.pcast(params, axis_name, to="varying")
-  return jax.value_and_grad(tiny_lm_loss, has_aux=True)(local_params, batch)
+    """Per-device gradient of the summed loss (see multi_steps' shard_map note)."""
+    local_params = jax.lax.pcast(params, axis_name, to="varying")
+    return jax.value_and_grad(tiny_lm_loss, has_aux=True)(local_params, batch)
 
 
 def run_shard_map(windows: dict, layout: Layout) -> tuple[dict, list]:
-  mesh = jax.make_mesh((layout.devices,), ("data",))
-  tx = jaxaccum.multi_steps(adamw(), layout.k, axis_name="data")
-  params = jax.device_put(tiny_lm_params(), NamedSharding(mesh, P()))
-  specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, params), "data")
-  state = jax.jit(
-      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
-  )(params)
+    mesh = jax.make_mesh((layout.devices,), ("data",))
+    tx = jaxaccum.multi_steps(adamw(), layout.k, axis_name="data")
+    params = jax.device_put(tiny_lm_params(), NamedSharding(mesh, P()))
+    specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, params), "data")
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
 
-  @jax.jit
-  @partial(
-      jax.shard_map,
-      mesh=mesh,
-      in_specs=(P(), specs, P("data")),
-      out_specs=(P(), specs, P()),
-  )
-  def step(params, state, batch):
-    batch = jax.tree.map(lambda x: x[0], batch)  # this device's micro-batch
-    (loss_sum, count), grads = local_grads(params, batch, "data")
-    updates, state = tx.update(
-        grads, state, params, count=count, loss_sum=loss_sum
+    @jax.jit
+    @partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(P(), specs, P("data")),
+        out_specs=(P(), specs, P()),
     )
-    return optax.apply_updates(params, updates), state, jaxaccum.window_metrics(state)
+    def step(params, state, batch):
+        batch = jax.tree.map(lambda x: x[0], batch)  # this device's micro-batch
+        (loss_sum, count), grads = local_grads(params, batch, "data")
+        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        return optax.apply_updates(params, updates), state, jaxaccum.window_metrics(state)
 
-  records = []
-  sharding = NamedSharding(mesh, P("data"))
-  for w in range(NUM_UPDATES):
-    for m in range(layout.k):
-      batch = jax.device_put(
-          jax.tree.map(lambda x: x[w, :, m], windows), sharding
-      )
-      params, state, metrics = step(params, state, batch)
-    records.append(jax.device_get(metrics))
-  return params, records
+    records = []
+    sharding = NamedSharding(mesh, P("data"))
+    for w in range(NUM_UPDATES):
+        for m in range(layout.k):
+            batch = jax.device_put(jax.tree.map(lambda x: x[w, :, m], windows), sharding)
+            params, state, metrics = step(params, state, batch)
+        records.append(jax.device_get(metrics))
+    return params, records
 
 
 def run_pmap(windows: dict, layout: Layout) -> dict:
-  tx = jaxaccum.multi_steps(adamw(), layout.k, axis_name="data")
-  devices = jax.devices()[: layout.devices]
-  stacked = jax.tree.map(
-      lambda x: np.broadcast_to(x, (layout.devices,) + x.shape), tiny_lm_params()
-  )
-  params, state = jax.pmap(
-      lambda p: (p, tx.init(p)), axis_name="data", devices=devices
-  )(stacked)
-
-  @partial(jax.pmap, axis_name="data", devices=devices)
-  def step(params, state, batch):
-    (loss_sum, count), grads = jax.value_and_grad(tiny_lm_loss, has_aux=True)(
-        params, batch
+    tx = jaxaccum.multi_steps(adamw(), layout.k, axis_name="data")
+    devices = jax.devices()[: layout.devices]
+    stacked = jax.tree.map(
+        lambda x: np.broadcast_to(x, (layout.devices,) + x.shape), tiny_lm_params()
     )
-    updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
-    return optax.apply_updates(params, updates), state
+    params, state = jax.pmap(lambda p: (p, tx.init(p)), axis_name="data", devices=devices)(stacked)
 
-  for w in range(NUM_UPDATES):
-    for m in range(layout.k):
-      params, state = step(params, state, jax.tree.map(lambda x: x[w, :, m], windows))
-  return jax.tree.map(lambda x: np.asarray(x)[0], params)
+    @partial(jax.pmap, axis_name="data", devices=devices)
+    def step(params, state, batch):
+        (loss_sum, count), grads = jax.value_and_grad(tiny_lm_loss, has_aux=True)(params, batch)
+        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        return optax.apply_updates(params, updates), state
+
+    for w in range(NUM_UPDATES):
+        for m in range(layout.k):
+            params, state = step(params, state, jax.tree.map(lambda x: x[w, :, m], windows))
+    return jax.tree.map(lambda x: np.asarray(x)[0], params)
 
 
 def run_sharded_jit(windows: dict, layout: Layout) -> dict:
-  """Global arrays sharded over the devices; no axis name: sums are global."""
-  mesh = jax.make_mesh(
-      (layout.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
-  )
-  tx = jaxaccum.multi_steps(adamw(), layout.k)
-  replicated = NamedSharding(mesh, P())
-  params = jax.device_put(tiny_lm_params(), replicated)
-  state = jax.device_put(tx.init(params), replicated)
+    """Global arrays sharded over the devices; no axis name: sums are global."""
+    mesh = jax.make_mesh((layout.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    tx = jaxaccum.multi_steps(adamw(), layout.k)
+    replicated = NamedSharding(mesh, P())
+    params = jax.device_put(tiny_lm_params(), replicated)
+    state = jax.device_put(tx.init(params), replicated)
 
-  @jax.jit
-  def step(params, state, batch):
-    (loss_sum, count), grads = jax.value_and_grad(tiny_lm_loss, has_aux=True)(
-        params, batch
-    )
-    updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
-    return optax.apply_updates(params, updates), state
+    @jax.jit
+    def step(params, state, batch):
+        (loss_sum, count), grads = jax.value_and_grad(tiny_lm_loss, has_aux=True)(params, batch)
+        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        return optax.apply_updates(params, updates), state
 
-  sharding = NamedSharding(mesh, P("data"))
-  for w in range(NUM_UPDATES):
-    for m in range(layout.k):
-      # the m-th micro-batch of every device, as one global batch
-      batch = jax.tree.map(
-          lambda x: x[w, :, m].reshape(-1, x.shape[-1]), windows
-      )
-      params, state = step(params, state, jax.device_put(batch, sharding))
-  return params
+    sharding = NamedSharding(mesh, P("data"))
+    for w in range(NUM_UPDATES):
+        for m in range(layout.k):
+            # the m-th micro-batch of every device, as one global batch
+            batch = jax.tree.map(lambda x: x[w, :, m].reshape(-1, x.shape[-1]), windows)
+            params, state = step(params, state, jax.device_put(batch, sharding))
+    return params
 
 
 LAYOUTS = [
@@ -177,12 +161,12 @@ LAYOUT_SUBSET = (
 
 @functools.cache
 def scenario(layout: Layout) -> tuple[dict, dict, np.ndarray]:
-  """(windows, big-batch parameters after 5 updates, per-device counts)."""
-  windows = skewed_windows(layout, NUM_UPDATES, seed=layout.devices * 10 + layout.k)
-  per_device = (windows["labels"][..., 1:] != -100).reshape(
-      NUM_UPDATES, layout.devices, -1
-  ).sum(-1)
-  return windows, run_big_batch(windows), per_device
+    """(windows, big-batch parameters after 5 updates, per-device counts)."""
+    windows = skewed_windows(layout, NUM_UPDATES, seed=layout.devices * 10 + layout.k)
+    per_device = (
+        (windows["labels"][..., 1:] != -100).reshape(NUM_UPDATES, layout.devices, -1).sum(-1)
+    )
+    return windows, run_big_batch(windows), per_device
 
 
 layout_id = lambda l: f"dev{l.devices}-k{l.k}"
@@ -190,63 +174,59 @@ layout_id = lambda l: f"dev{l.devices}-k{l.k}"
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_shard_map_equals_big_batch(layout):
-  windows, reference, per_device = scenario(layout)
-  # the data really is skewed the way the test promises
-  for counts in per_device:
-    assert len(set(counts.tolist())) == layout.devices
-    if layout.devices > 1:
-      assert counts[-1] == 0
-  assert max_abs_diff(reference, tiny_lm_params()) > 1e-2  # the steps moved params
+    windows, reference, per_device = scenario(layout)
+    # the data really is skewed the way the test promises
+    for counts in per_device:
+        assert len(set(counts.tolist())) == layout.devices
+        if layout.devices > 1:
+            assert counts[-1] == 0
+    assert max_abs_diff(reference, tiny_lm_params()) > 1e-2  # the steps moved params
 
-  params, records = run_shard_map(windows, layout)
-  assert max_abs_diff(params, reference) < PARAM_ATOL
+    params, records = run_shard_map(windows, layout)
+    assert max_abs_diff(params, reference) < PARAM_ATOL
 
-  # the records count the global window: exact integers in float32
-  expected_counts = per_device.sum(-1)
-  np.testing.assert_array_equal(
-      [r["window_count"] for r in records], expected_counts
-  )
-  np.testing.assert_array_equal(
-      [r["update_id"] for r in records], np.arange(1, NUM_UPDATES + 1)
-  )
-  np.testing.assert_array_equal(
-      [r["cumulative_count"] for r in records], np.cumsum(expected_counts)
-  )
-  np.testing.assert_array_equal(
-      [r["micro_step"] for r in records], layout.k * np.arange(1, NUM_UPDATES + 1)
-  )
+    # the records count the global window: exact integers in float32
+    expected_counts = per_device.sum(-1)
+    np.testing.assert_array_equal([r["window_count"] for r in records], expected_counts)
+    np.testing.assert_array_equal([r["update_id"] for r in records], np.arange(1, NUM_UPDATES + 1))
+    np.testing.assert_array_equal(
+        [r["cumulative_count"] for r in records], np.cumsum(expected_counts)
+    )
+    np.testing.assert_array_equal(
+        [r["micro_step"] for r in records], layout.k * np.arange(1, NUM_UPDATES + 1)
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUT_SUBSET, ids=layout_id)
 def test_pmap_equals_big_batch(layout):
-  windows, reference, _ = scenario(layout)
-  assert max_abs_diff(run_pmap(windows, layout), reference) < PARAM_ATOL
+    windows, reference, _ = scenario(layout)
+    assert max_abs_diff(run_pmap(windows, layout), reference) < PARAM_ATOL
 
 
 @pytest.mark.parametrize("layout", LAYOUT_SUBSET, ids=layout_id)
 def test_sharded_jit_equals_big_batch(layout):
-  windows, reference, _ = scenario(layout)
-  assert max_abs_diff(run_sharded_jit(windows, layout), reference) < PARAM_ATOL
+    windows, reference, _ = scenario(layout)
+    assert max_abs_diff(run_sharded_jit(windows, layout), reference) < PARAM_ATOL
 
 
 def test_mean_of_means_is_caught_by_the_tolerance():
-  """optax.MultiSteps on per-micro-batch means misses the big batch by >> PARAM_ATOL."""
-  layout = Layout(1, 4, 8)
-  windows, reference, _ = scenario(layout)
-  tx = optax.MultiSteps(adamw(), layout.k)
-  params = tiny_lm_params()
-  state = tx.init(params)
+    """optax.MultiSteps on per-micro-batch means misses the big batch by >> PARAM_ATOL."""
+    layout = Layout(1, 4, 8)
+    windows, reference, _ = scenario(layout)
+    tx = optax.MultiSteps(adamw(), layout.k)
+    params = tiny_lm_params()
+    state = tx.init(params)
 
-  @jax.jit
-  def step(params, state, batch):
-    def mean_loss(p):
-      loss_sum, count = tiny_lm_loss(p, batch)
-      return loss_sum / jnp.maximum(count, 1.0)
+    @jax.jit
+    def step(params, state, batch):
+        def mean_loss(p):
+            loss_sum, count = tiny_lm_loss(p, batch)
+            return loss_sum / jnp.maximum(count, 1.0)
 
-    updates, state = tx.update(jax.grad(mean_loss)(params), state, params)
-    return optax.apply_updates(params, updates), state
+        updates, state = tx.update(jax.grad(mean_loss)(params), state, params)
+        return optax.apply_updates(params, updates), state
 
-  for w in range(NUM_UPDATES):
-    for m in range(layout.k):
-      params, state = step(params, state, jax.tree.map(lambda x: x[w, 0, m], windows))
-  assert max_abs_diff(params, reference) > 20 * PARAM_ATOL
+    for w in range(NUM_UPDATES):
+        for m in range(layout.k):
+            params, state = step(params, state, jax.tree.map(lambda x: x[w, 0, m], windows))
+    assert max_abs_diff(params, reference) > 20 * PARAM_ATOL

@@ -1,6 +1,5 @@
 """multi_steps inside flax.nnx.Optimizer, which forwards keyword arguments."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -10,45 +9,44 @@ import jaxaccum
 
 
 class Linear(nnx.Module):
+    def __init__(self, rngs):
+        self.layer = nnx.Linear(3, 1, rngs=rngs)
 
-  def __init__(self, rngs):
-    self.layer = nnx.Linear(3, 1, rngs=rngs)
-
-  def __call__(self, x):
-    return self.layer(x)[..., 0]
+    def __call__(self, x):
+        return self.layer(x)[..., 0]
 
 
 def summed_loss(model, x, y, mask):
-  per_sample = (model(x) - y) ** 2
-  return jnp.sum(jnp.where(mask, per_sample, 0.0)), jnp.sum(mask).astype(jnp.float32)
+    per_sample = (model(x) - y) ** 2
+    return jnp.sum(jnp.where(mask, per_sample, 0.0)), jnp.sum(mask).astype(jnp.float32)
 
 
 def test_nnx_optimizer_with_multi_steps_equals_the_big_batch():
-  rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)
-  y = jnp.asarray(rng.normal(size=(6,)), jnp.float32)
-  # two micro-batches of 3 rows: 3 valid samples, then 1 valid sample
-  mask = jnp.array([True, True, True, True, False, False])
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(6,)), jnp.float32)
+    # two micro-batches of 3 rows: 3 valid samples, then 1 valid sample
+    mask = jnp.array([True, True, True, True, False, False])
 
-  model = Linear(nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, jaxaccum.multi_steps(optax.adam(0.1), 2), wrt=nnx.Param)
+    model = Linear(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, jaxaccum.multi_steps(optax.adam(0.1), 2), wrt=nnx.Param)
 
-  @nnx.jit
-  def micro_step(model, optimizer, x, y, mask):
-    (loss_sum, count), grads = nnx.value_and_grad(summed_loss, has_aux=True)(model, x, y, mask)
-    optimizer.update(model, grads, count=count, loss_sum=loss_sum)
+    @nnx.jit
+    def micro_step(model, optimizer, x, y, mask):
+        (loss_sum, count), grads = nnx.value_and_grad(summed_loss, has_aux=True)(model, x, y, mask)
+        optimizer.update(model, grads, count=count, loss_sum=loss_sum)
 
-  for half in (slice(0, 3), slice(3, 6)):
-    micro_step(model, optimizer, x[half], y[half], mask[half])
+    for half in (slice(0, 3), slice(3, 6)):
+        micro_step(model, optimizer, x[half], y[half], mask[half])
 
-  reference = Linear(nnx.Rngs(0))
-  big = nnx.Optimizer(reference, optax.adam(0.1), wrt=nnx.Param)
-  mean_loss = lambda m: summed_loss(m, x, y, mask)[0] / 4.0
-  big.update(reference, nnx.grad(mean_loss)(reference))
+    reference = Linear(nnx.Rngs(0))
+    big = nnx.Optimizer(reference, optax.adam(0.1), wrt=nnx.Param)
+    mean_loss = lambda m: summed_loss(m, x, y, mask)[0] / 4.0
+    big.update(reference, nnx.grad(mean_loss)(reference))
 
-  # fp32, one adam step: both see the same gradient up to summation order
-  np.testing.assert_allclose(model.layer.kernel[...], reference.layer.kernel[...], atol=1e-6)
-  np.testing.assert_allclose(model.layer.bias[...], reference.layer.bias[...], atol=1e-6)
-  assert int(jaxaccum.window_metrics(optimizer.opt_state)["update_id"]) == 1
-  # nnx.Optimizer.step counts micro-steps: the update id is the one to use
-  assert int(optimizer.step[...]) == 2
+    # fp32, one adam step: both see the same gradient up to summation order
+    np.testing.assert_allclose(model.layer.kernel[...], reference.layer.kernel[...], atol=1e-6)
+    np.testing.assert_allclose(model.layer.bias[...], reference.layer.bias[...], atol=1e-6)
+    assert int(jaxaccum.window_metrics(optimizer.opt_state)["update_id"]) == 1
+    # nnx.Optimizer.step counts micro-steps: the update id is the one to use
+    assert int(optimizer.step[...]) == 2

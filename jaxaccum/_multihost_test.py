@@ -41,85 +41,110 @@ RECORD_RTOL = 1e-6
 
 
 def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def launch(tmp_path) -> list[dict]:
-  """Runs the 2 worker processes; kills both on failure or timeout."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
-  port = free_port()
-  outs = [tmp_path / f"process_{i}.npz" for i in range(NUM_PROCESSES)]
-  logs = [open(tmp_path / f"process_{i}.log", "w+") for i in range(NUM_PROCESSES)]
-  procs = []
-  try:
-    for i in range(NUM_PROCESSES):
-      procs.append(subprocess.Popen(
-          [sys.executable, "-m", "jaxaccum._multihost_worker",
-           str(i), str(NUM_PROCESSES), str(port), str(outs[i])],
-          cwd=REPO_ROOT, env=env, stdout=logs[i], stderr=subprocess.STDOUT,
-      ))
-    deadline = time.monotonic() + TIMEOUT_S
-    for proc in procs:
-      proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    for i, proc in enumerate(procs):
-      logs[i].seek(0)
-      assert proc.returncode == 0, f"process {i} failed:\n{logs[i].read()[-4000:]}"
-  finally:
-    for proc in procs:
-      if proc.poll() is None:
-        proc.kill()
-      proc.wait()
-    for log in logs:
-      log.close()
-  results = []
-  for path in outs:
-    with np.load(path) as data:
-      results.append({key: data[key] for key in data.files})
-  return results
+    """Runs the 2 worker processes; kills both on failure or timeout."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    port = free_port()
+    outs = [tmp_path / f"process_{i}.npz" for i in range(NUM_PROCESSES)]
+    logs = [open(tmp_path / f"process_{i}.log", "w+") for i in range(NUM_PROCESSES)]
+    procs = []
+    try:
+        for i in range(NUM_PROCESSES):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "jaxaccum._multihost_worker",
+                        str(i),
+                        str(NUM_PROCESSES),
+                        str(port),
+                        str(outs[i]),
+                    ],
+                    cwd=REPO_ROOT,
+                    env=env,
+                    stdout=logs[i],
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        deadline = time.monotonic() + TIMEOUT_S
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        for i, proc in enumerate(procs):
+            logs[i].seek(0)
+            assert proc.returncode == 0, f"process {i} failed:\n{logs[i].read()[-4000:]}"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for log in logs:
+            log.close()
+    results = []
+    for path in outs:
+        with np.load(path) as data:
+            results.append({key: data[key] for key in data.files})
+    return results
 
 
 @pytest.fixture(scope="module")
 def reference():
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[: worker.DEVICES]), (worker.AXIS,))
-  return worker.train(mesh, worker.scenario())
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[: worker.DEVICES]), (worker.AXIS,))
+    return worker.train(mesh, worker.scenario())
 
 
 def test_two_processes_give_the_single_process_updates(tmp_path, reference):
-  windows = worker.scenario()
-  per_device = (windows["labels"][..., 1:] != -100).reshape(
-      worker.WINDOWS, worker.DEVICES, -1).sum(-1)
-  for counts in per_device:  # the data is as skewed as promised
-    assert len(set(counts.tolist())) == worker.DEVICES and counts[-1] == 0
+    windows = worker.scenario()
+    per_device = (
+        (windows["labels"][..., 1:] != -100).reshape(worker.WINDOWS, worker.DEVICES, -1).sum(-1)
+    )
+    for counts in per_device:  # the data is as skewed as promised
+        assert len(set(counts.tolist())) == worker.DEVICES and counts[-1] == 0
 
-  results = launch(tmp_path)
+    results = launch(tmp_path)
 
-  # each process fed its own 2 devices of the global mesh
-  assert [r["devices"].tolist() for r in results] == [[0, 1], [2, 3]]
-  # both processes hold the same replicated result (one all-reduce, one answer)
-  for key in results[0]:
-    if key != "devices":
-      np.testing.assert_array_equal(results[0][key], results[1][key], err_msg=key)
+    # each process fed its own 2 devices of the global mesh
+    assert [r["devices"].tolist() for r in results] == [[0, 1], [2, 3]]
+    # both processes hold the same replicated result (one all-reduce, one answer)
+    for key in results[0]:
+        if key != "devices":
+            np.testing.assert_array_equal(results[0][key], results[1][key], err_msg=key)
 
-  got = results[0]
-  moved = max(float(np.max(np.abs(reference[f"params/{n}"] - np.asarray(v))))
-              for n, v in tiny_lm_params().items())
-  assert moved > 1e-2  # the 3 updates moved the parameters
-  deviation = max(
-      float(np.max(np.abs(got[key].astype(np.float64) - reference[key])))
-      for key in reference if key.startswith("params/")
-  )
-  print(f"multi-host vs single-process max |param difference|: {deviation:.3g}")
-  assert deviation < PARAM_ATOL
+    got = results[0]
+    moved = max(
+        float(np.max(np.abs(reference[f"params/{n}"] - np.asarray(v))))
+        for n, v in tiny_lm_params().items()
+    )
+    assert moved > 1e-2  # the 3 updates moved the parameters
+    deviation = max(
+        float(np.max(np.abs(got[key].astype(np.float64) - reference[key])))
+        for key in reference
+        if key.startswith("params/")
+    )
+    print(f"multi-host vs single-process max |param difference|: {deviation:.3g}")
+    assert deviation < PARAM_ATOL
 
-  # the window records: integer counters and counts exact, floats to ulps
-  for key in ("update_id", "micro_step", "window_count", "cumulative_count",
-              "skipped", "skip_count"):
-    np.testing.assert_array_equal(got[f"metrics/{key}"], reference[f"metrics/{key}"], err_msg=key)
-  np.testing.assert_array_equal(got["metrics/window_count"], per_device.sum(-1))
-  np.testing.assert_array_equal(got["metrics/update_id"], [1, 2, 3])
-  for key in ("loss", "grad_norm"):
-    np.testing.assert_allclose(
-        got[f"metrics/{key}"], reference[f"metrics/{key}"], rtol=RECORD_RTOL, err_msg=key)
+    # the window records: integer counters and counts exact, floats to ulps
+    for key in (
+        "update_id",
+        "micro_step",
+        "window_count",
+        "cumulative_count",
+        "skipped",
+        "skip_count",
+    ):
+        np.testing.assert_array_equal(
+            got[f"metrics/{key}"], reference[f"metrics/{key}"], err_msg=key
+        )
+    np.testing.assert_array_equal(got["metrics/window_count"], per_device.sum(-1))
+    np.testing.assert_array_equal(got["metrics/update_id"], [1, 2, 3])
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(
+            got[f"metrics/{key}"], reference[f"metrics/{key}"], rtol=RECORD_RTOL, err_msg=key
+        )

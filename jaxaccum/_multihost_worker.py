@@ -29,95 +29,96 @@ AXIS = "data"
 
 
 def scenario() -> dict[str, np.ndarray]:
-  """``{'tokens', 'labels'}`` of shape [windows, devices, k, micro_batch, seq]."""
-  from jaxaccum._testing import Layout, skewed_windows
+    """``{'tokens', 'labels'}`` of shape [windows, devices, k, micro_batch, seq]."""
+    from jaxaccum._testing import Layout, skewed_windows
 
-  return skewed_windows(Layout(DEVICES, K, MICRO_BATCH), WINDOWS, seed=SEED)
+    return skewed_windows(Layout(DEVICES, K, MICRO_BATCH), WINDOWS, seed=SEED)
 
 
 def train(mesh, local_windows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """Trains on ``mesh``; ``local_windows`` holds this process's devices only.
+    """Trains on ``mesh``; ``local_windows`` holds this process's devices only.
 
-  Returns this process's view of the final (replicated) parameters and of the
-  window record after each window, as numpy arrays.
-  """
-  import jax
-  import optax
-  from jax.sharding import NamedSharding
-  from jax.sharding import PartitionSpec as P
+    Returns this process's view of the final (replicated) parameters and of the
+    window record after each window, as numpy arrays.
+    """
+    import jax
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-  import jaxaccum
-  from jaxaccum._testing import tiny_lm_loss, tiny_lm_params
+    import jaxaccum
+    from jaxaccum._testing import tiny_lm_loss, tiny_lm_params
 
-  tx = jaxaccum.multi_steps(
-      optax.adamw(1e-2, b1=0.9, b2=0.95, weight_decay=0.1), K, axis_name=AXIS
-  )
-  replicated = NamedSharding(mesh, P())
-  # replicated: every process holds the whole array
-  params = jax.tree.map(
-      lambda x: jax.make_array_from_process_local_data(replicated, np.asarray(x)),
-      tiny_lm_params(),
-  )
-  specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, params), AXIS)
-  state = jax.jit(
-      jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
-  )(params)
-  grad_fn = jaxaccum.value_and_grad(tiny_lm_loss, axis_name=AXIS)
+    tx = jaxaccum.multi_steps(
+        optax.adamw(1e-2, b1=0.9, b2=0.95, weight_decay=0.1), K, axis_name=AXIS
+    )
+    replicated = NamedSharding(mesh, P())
+    # replicated: every process holds the whole array
+    params = jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(replicated, np.asarray(x)),
+        tiny_lm_params(),
+    )
+    specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, params), AXIS)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    grad_fn = jaxaccum.value_and_grad(tiny_lm_loss, axis_name=AXIS)
 
-  @jax.jit
-  @partial(
-      jax.shard_map, mesh=mesh,
-      in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs, P()),
-  )
-  def step(params, state, batch):
-    batch = jax.tree.map(lambda x: x[0], batch)  # this device's micro-batch
-    (loss_sum, count), grads = grad_fn(params, batch)
-    updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
-    return optax.apply_updates(params, updates), state, jaxaccum.window_metrics(state)
+    @jax.jit
+    @partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(P(), specs, P(AXIS)),
+        out_specs=(P(), specs, P()),
+    )
+    def step(params, state, batch):
+        batch = jax.tree.map(lambda x: x[0], batch)  # this device's micro-batch
+        (loss_sum, count), grads = grad_fn(params, batch)
+        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        return optax.apply_updates(params, updates), state, jaxaccum.window_metrics(state)
 
-  per_device = NamedSharding(mesh, P(AXIS))
-  local = lambda x: np.asarray(x.addressable_data(0))
-  records = []
-  for w in range(WINDOWS):
-    for m in range(K):
-      # [local devices, micro_batch, seq] -> global [devices, micro_batch, seq]
-      batch = jax.tree.map(
-          lambda x: jax.make_array_from_process_local_data(per_device, x[w, :, m]),
-          local_windows,
-      )
-      params, state, metrics = step(params, state, batch)
-    records.append(jax.tree.map(local, metrics))
-  out = {f"params/{name}": local(value) for name, value in params.items()}
-  for key in records[0]:
-    out[f"metrics/{key}"] = np.stack([r[key] for r in records])
-  return out
+    per_device = NamedSharding(mesh, P(AXIS))
+    local = lambda x: np.asarray(x.addressable_data(0))
+    records = []
+    for w in range(WINDOWS):
+        for m in range(K):
+            # [local devices, micro_batch, seq] -> global [devices, micro_batch, seq]
+            batch = jax.tree.map(
+                lambda x: jax.make_array_from_process_local_data(per_device, x[w, :, m]),
+                local_windows,
+            )
+            params, state, metrics = step(params, state, batch)
+        records.append(jax.tree.map(local, metrics))
+    out = {f"params/{name}": local(value) for name, value in params.items()}
+    for key in records[0]:
+        out[f"metrics/{key}"] = np.stack([r[key] for r in records])
+    return out
 
 
 def main(argv: list[str]) -> None:
-  process_id, num_processes, port, out_path = (
-      int(argv[0]), int(argv[1]), int(argv[2]), argv[3])
-  import jax
+    process_id, num_processes, port, out_path = (int(argv[0]), int(argv[1]), int(argv[2]), argv[3])
+    import jax
 
-  jax.config.update("jax_platforms", "cpu")
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
-  jax.distributed.initialize(
-      f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id,
-      initialization_timeout=60,
-  )
-  try:
-    assert jax.process_count() == num_processes
-    assert jax.device_count() == LOCAL_DEVICES * num_processes == DEVICES
-    mesh = jax.make_mesh((DEVICES,), (AXIS,))
-    # which slice of the global device axis this process feeds
-    mine = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == process_id]
-    windows = {name: value[:, mine] for name, value in scenario().items()}
-    out = train(mesh, windows)
-    out["devices"] = np.asarray(mine)
-    np.savez(out_path, **out)
-  finally:
-    jax.distributed.shutdown()
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
+    jax.distributed.initialize(
+        f"127.0.0.1:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=60,
+    )
+    try:
+        assert jax.process_count() == num_processes
+        assert jax.device_count() == LOCAL_DEVICES * num_processes == DEVICES
+        mesh = jax.make_mesh((DEVICES,), (AXIS,))
+        # which slice of the global device axis this process feeds
+        mine = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == process_id]
+        windows = {name: value[:, mine] for name, value in scenario().items()}
+        out = train(mesh, windows)
+        out["devices"] = np.asarray(mine)
+        np.savez(out_path, **out)
+    finally:
+        jax.distributed.shutdown()
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+    main(sys.argv[1:])

@@ -55,145 +55,166 @@ K_MAX = 4
 
 @functools.cache
 def accumulated_step():
-  """(init, step): jit(vmap over the devices, with an axis name), compiled once."""
-  tx = jaxaccum.multi_steps(optax.sgd(LEARNING_RATE), K_MAX, axis_name="data")
+    """(init, step): jit(vmap over the devices, with an axis name), compiled once."""
+    tx = jaxaccum.multi_steps(optax.sgd(LEARNING_RATE), K_MAX, axis_name="data")
 
-  def step(params, state, batch, poison, end_window):
-    def loss_fn(p):
-      loss_sum, count = tiny_lm_loss(p, batch)
-      return loss_sum * poison, count  # poison is 1, nan or inf
+    def step(params, state, batch, poison, end_window):
+        def loss_fn(p):
+            loss_sum, count = tiny_lm_loss(p, batch)
+            return loss_sum * poison, count  # poison is 1, nan or inf
 
-    (loss_sum, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, state = tx.update(
-        grads, state, params, count=count, loss_sum=loss_sum, end_window=end_window
-    )
-    return optax.apply_updates(params, updates), state
+        (loss_sum, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, state = tx.update(
+            grads, state, params, count=count, loss_sum=loss_sum, end_window=end_window
+        )
+        return optax.apply_updates(params, updates), state
 
-  init = jax.jit(jax.vmap(tx.init))
-  step = jax.vmap(step, in_axes=(0, 0, 0, 0, None), axis_name="data")
-  return init, jax.jit(step)
+    init = jax.jit(jax.vmap(tx.init))
+    step = jax.vmap(step, in_axes=(0, 0, 0, 0, None), axis_name="data")
+    return init, jax.jit(step)
 
 
 @jax.jit
 def big_batch_step(params, batch):
-  """The reference: one sgd step on the window's token-mean loss."""
-  def mean_loss(p):
-    loss_sum, count = tiny_lm_loss(p, batch)
-    return loss_sum / jnp.maximum(count, 1.0), (loss_sum, count)
+    """The reference: one sgd step on the window's token-mean loss."""
 
-  grads, (loss_sum, count) = jax.grad(mean_loss, has_aux=True)(params)
-  new = jax.tree.map(lambda p, g: p - LEARNING_RATE * g, params, grads)
-  return new, loss_sum / jnp.maximum(count, 1.0), count
+    def mean_loss(p):
+        loss_sum, count = tiny_lm_loss(p, batch)
+        return loss_sum / jnp.maximum(count, 1.0), (loss_sum, count)
+
+    grads, (loss_sum, count) = jax.grad(mean_loss, has_aux=True)(params)
+    new = jax.tree.map(lambda p, g: p - LEARNING_RATE * g, params, grads)
+    return new, loss_sum / jnp.maximum(count, 1.0), count
 
 
 @st.composite
 def scenarios(draw):
-  ks = draw(st.lists(st.integers(1, K_MAX), min_size=WINDOWS, max_size=WINDOWS))
-  n = WINDOWS * SAMPLES
-  # about half the samples all-masked (length 0); the rest 1..SEQ_LEN - 1 tokens
-  lengths = draw(st.lists(st.one_of(st.just(0), st.integers(0, SEQ_LEN - 1)),
-                          min_size=n, max_size=n))
-  # each sample's slot: device * k + micro-batch, in its window's k
-  slots = [draw(st.lists(st.integers(0, DEVICES * k - 1), min_size=SAMPLES,
-                         max_size=SAMPLES)) for k in ks]
-  # one example in three poisons one (window, device, micro-batch)
-  poison = None
-  if draw(st.integers(0, 2)) == 0:
-    w = draw(st.integers(0, WINDOWS - 1))
-    poison = (w, draw(st.integers(0, DEVICES - 1)), draw(st.integers(0, ks[w] - 1)),
-              draw(st.sampled_from([np.nan, np.inf])))
-  seed = draw(st.integers(0, 2**16))
-  return ks, np.array(lengths).reshape(WINDOWS, SAMPLES), np.array(slots), poison, seed
+    ks = draw(st.lists(st.integers(1, K_MAX), min_size=WINDOWS, max_size=WINDOWS))
+    n = WINDOWS * SAMPLES
+    # about half the samples all-masked (length 0); the rest 1..SEQ_LEN - 1 tokens
+    lengths = draw(
+        st.lists(st.one_of(st.just(0), st.integers(0, SEQ_LEN - 1)), min_size=n, max_size=n)
+    )
+    # each sample's slot: device * k + micro-batch, in its window's k
+    slots = [
+        draw(st.lists(st.integers(0, DEVICES * k - 1), min_size=SAMPLES, max_size=SAMPLES))
+        for k in ks
+    ]
+    # one example in three poisons one (window, device, micro-batch)
+    poison = None
+    if draw(st.integers(0, 2)) == 0:
+        w = draw(st.integers(0, WINDOWS - 1))
+        poison = (
+            w,
+            draw(st.integers(0, DEVICES - 1)),
+            draw(st.integers(0, ks[w] - 1)),
+            draw(st.sampled_from([np.nan, np.inf])),
+        )
+    seed = draw(st.integers(0, 2**16))
+    return ks, np.array(lengths).reshape(WINDOWS, SAMPLES), np.array(slots), poison, seed
 
 
 def window_data(lengths, seed):
-  """tokens and labels [windows, samples, seq]: ``n`` valid labels at 1..n."""
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(0, VOCAB, (WINDOWS, SAMPLES, SEQ_LEN)).astype(np.int32)
-  positions = np.arange(SEQ_LEN)
-  valid = (positions >= 1) & (positions <= lengths[..., None])
-  labels = np.where(valid, rng.integers(0, VOCAB, tokens.shape), IGNORE_INDEX)
-  return tokens, labels.astype(np.int32)
+    """tokens and labels [windows, samples, seq]: ``n`` valid labels at 1..n."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, VOCAB, (WINDOWS, SAMPLES, SEQ_LEN)).astype(np.int32)
+    positions = np.arange(SEQ_LEN)
+    valid = (positions >= 1) & (positions <= lengths[..., None])
+    labels = np.where(valid, rng.integers(0, VOCAB, tokens.shape), IGNORE_INDEX)
+    return tokens, labels.astype(np.int32)
 
 
 def check_state(state, window_open_poisoned):
-  # counts: never negative (exact: sums of non-negative integers)
-  assert np.all(np.asarray(state.count) >= 0)
-  assert np.all(np.asarray(state.cumulative_count) >= 0)
-  assert np.all(np.asarray(state.last_window.window_count) >= 0)
-  # every device holds the same replicated leaves (bitwise: same ops, same psum)
-  for name in ("update_id", "cumulative_count", "skip_count", "inner_state", "last_window"):
-    for leaf in jax.tree.leaves(getattr(state, name)):
-      leaf = np.asarray(leaf)
-      np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape), err_msg=name)
-  # no NaN/inf, except in the open window's sums when it holds the poison
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    name = path[0].name
-    if window_open_poisoned and name in ("grad_sum", "loss_sum"):
-      continue
-    assert np.all(np.isfinite(np.asarray(leaf))), jax.tree_util.keystr(path)
+    # counts: never negative (exact: sums of non-negative integers)
+    assert np.all(np.asarray(state.count) >= 0)
+    assert np.all(np.asarray(state.cumulative_count) >= 0)
+    assert np.all(np.asarray(state.last_window.window_count) >= 0)
+    # every device holds the same replicated leaves (bitwise: same ops, same psum)
+    for name in ("update_id", "cumulative_count", "skip_count", "inner_state", "last_window"):
+        for leaf in jax.tree.leaves(getattr(state, name)):
+            leaf = np.asarray(leaf)
+            np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape), err_msg=name)
+    # no NaN/inf, except in the open window's sums when it holds the poison
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        name = path[0].name
+        if window_open_poisoned and name in ("grad_sum", "loss_sum"):
+            continue
+        assert np.all(np.isfinite(np.asarray(leaf))), jax.tree_util.keystr(path)
 
 
 def test_any_split_gives_the_big_batch_update(record_property):
-  @settings(max_examples=MAX_EXAMPLES, derandomize=True, deadline=None,
-            database=None, suppress_health_check=[HealthCheck.too_slow])
-  @given(scenarios())
-  def check(scenario):
-    ks, lengths, slots, poison, seed = scenario
-    reasons, deviation = [], 0.0
-    tokens, labels = window_data(lengths, seed)
-    init, step = accumulated_step()
-    params0 = tiny_lm_params(vocab=VOCAB)
-    params = jax.tree.map(lambda x: jnp.broadcast_to(x, (DEVICES,) + x.shape), params0)
-    state = init(params)
-    reference = params0
-    for w, k in enumerate(ks):
-      device, micro = np.divmod(slots[w], k)  # each sample's (device, micro-batch)
-      poisoned_window = poison is not None and poison[0] == w
-      for m in range(k):
-        mine = (device[None, :] == np.arange(DEVICES)[:, None]) & (micro == m)
-        batch = {
-            "tokens": np.broadcast_to(tokens[w], (DEVICES, SAMPLES, SEQ_LEN)),
-            "labels": np.where(mine[..., None], labels[w], IGNORE_INDEX),
-        }
-        factor = np.ones(DEVICES, np.float32)
-        if poisoned_window and poison[2] == m:
-          factor[poison[1]] = poison[3]
-        closed = m == k - 1
-        params, state = step(params, state, batch, factor, np.bool_(closed))
-        check_state(state, poisoned_window and not closed and poison[2] <= m)
+    @settings(
+        max_examples=MAX_EXAMPLES,
+        derandomize=True,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    @given(scenarios())
+    def check(scenario):
+        ks, lengths, slots, poison, seed = scenario
+        reasons, deviation = [], 0.0
+        tokens, labels = window_data(lengths, seed)
+        init, step = accumulated_step()
+        params0 = tiny_lm_params(vocab=VOCAB)
+        params = jax.tree.map(lambda x: jnp.broadcast_to(x, (DEVICES,) + x.shape), params0)
+        state = init(params)
+        reference = params0
+        for w, k in enumerate(ks):
+            device, micro = np.divmod(slots[w], k)  # each sample's (device, micro-batch)
+            poisoned_window = poison is not None and poison[0] == w
+            for m in range(k):
+                mine = (device[None, :] == np.arange(DEVICES)[:, None]) & (micro == m)
+                batch = {
+                    "tokens": np.broadcast_to(tokens[w], (DEVICES, SAMPLES, SEQ_LEN)),
+                    "labels": np.where(mine[..., None], labels[w], IGNORE_INDEX),
+                }
+                factor = np.ones(DEVICES, np.float32)
+                if poisoned_window and poison[2] == m:
+                    factor[poison[1]] = poison[3]
+                closed = m == k - 1
+                params, state = step(params, state, batch, factor, np.bool_(closed))
+                check_state(state, poisoned_window and not closed and poison[2] <= m)
 
-      # the window closed: compare with the big batch of the same samples
-      reference_next, loss, count = big_batch_step(
-          reference, {"tokens": tokens[w], "labels": labels[w]})
-      metrics = jax.tree.map(lambda x: np.asarray(x)[0], jaxaccum.window_metrics(state))
-      assert float(metrics["window_count"]) == float(count)  # exact integer
-      expected_reason = 1 if count == 0 else (2 if poisoned_window else 0)
-      assert int(metrics["skip_reason"]) == expected_reason
-      reasons.append(expected_reason)
-      if expected_reason == 0:
-        reference = reference_next
-        np.testing.assert_allclose(metrics["loss"], float(loss), rtol=LOSS_RTOL)
-      for name in reference:
-        # every device's copy against the reference
-        np.testing.assert_allclose(
-            np.asarray(params[name]),
-            np.broadcast_to(reference[name], params[name].shape),
-            rtol=0, atol=PARAM_ATOL, err_msg=f"window {w}, {name}")
-        deviation = max(deviation, float(np.max(np.abs(
-            np.asarray(params[name], np.float64) - reference[name]))))
-    ran.append((ks, reasons, deviation))
+            # the window closed: compare with the big batch of the same samples
+            reference_next, loss, count = big_batch_step(
+                reference, {"tokens": tokens[w], "labels": labels[w]}
+            )
+            metrics = jax.tree.map(lambda x: np.asarray(x)[0], jaxaccum.window_metrics(state))
+            assert float(metrics["window_count"]) == float(count)  # exact integer
+            expected_reason = 1 if count == 0 else (2 if poisoned_window else 0)
+            assert int(metrics["skip_reason"]) == expected_reason
+            reasons.append(expected_reason)
+            if expected_reason == 0:
+                reference = reference_next
+                np.testing.assert_allclose(metrics["loss"], float(loss), rtol=LOSS_RTOL)
+            for name in reference:
+                # every device's copy against the reference
+                np.testing.assert_allclose(
+                    np.asarray(params[name]),
+                    np.broadcast_to(reference[name], params[name].shape),
+                    rtol=0,
+                    atol=PARAM_ATOL,
+                    err_msg=f"window {w}, {name}",
+                )
+                deviation = max(
+                    deviation,
+                    float(np.max(np.abs(np.asarray(params[name], np.float64) - reference[name]))),
+                )
+        ran.append((ks, reasons, deviation))
 
-  ran.clear()
-  check()
-  ks = sorted({k for window_ks, _, _ in ran for k in window_ks})
-  reasons = [r for _, rs, _ in ran for r in rs]
-  deviation = max(d for _, _, d in ran)
-  print(f"hypothesis examples run: {len(ran)}; window k values {ks}; windows applied /"
+    ran.clear()
+    check()
+    ks = sorted({k for window_ks, _, _ in ran for k in window_ks})
+    reasons = [r for _, rs, _ in ran for r in rs]
+    deviation = max(d for _, _, d in ran)
+    print(
+        f"hypothesis examples run: {len(ran)}; window k values {ks}; windows applied /"
         f" empty / non-finite: {[reasons.count(r) for r in (0, 1, 2)]};"
-        f" max |param - big batch|: {deviation:.3g}")
-  record_property("hypothesis_examples", len(ran))  # in the junit report
-  # the examples really explored the space: every k, and every window outcome
-  assert len(ran) >= MAX_EXAMPLES // 2
-  assert ks == [1, 2, 3, 4]
-  assert all(reasons.count(r) > 0 for r in (0, 1, 2))
+        f" max |param - big batch|: {deviation:.3g}"
+    )
+    record_property("hypothesis_examples", len(ran))  # in the junit report
+    # the examples really explored the space: every k, and every window outcome
+    assert len(ran) >= MAX_EXAMPLES // 2
+    assert ks == [1, 2, 3, 4]
+    assert all(reasons.count(r) > 0 for r in (0, 1, 2))

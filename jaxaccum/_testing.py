@@ -17,30 +17,30 @@ IGNORE_INDEX = -100
 
 
 def tiny_lm_params(vocab: int = 13, hidden: int = 8, seed: int = 0) -> dict:
-  """Parameters of a one-layer LM: embed -> tanh -> projection to the vocab."""
-  rng = np.random.default_rng(seed)
-  return {
-      "embed": jnp.asarray(rng.normal(0, 0.5, (vocab, hidden)), jnp.float32),
-      "proj": jnp.asarray(rng.normal(0, 0.5, (hidden, vocab)), jnp.float32),
-  }
+    """Parameters of a one-layer LM: embed -> tanh -> projection to the vocab."""
+    rng = np.random.default_rng(seed)
+    return {
+        "embed": jnp.asarray(rng.normal(0, 0.5, (vocab, hidden)), jnp.float32),
+        "proj": jnp.asarray(rng.normal(0, 0.5, (hidden, vocab)), jnp.float32),
+    }
 
 
 def tiny_lm_logits(params: dict, tokens: jax.Array) -> jax.Array:
-  hidden = jnp.tanh(params["embed"][tokens].astype(jnp.float32))
-  return hidden @ params["proj"].astype(jnp.float32)
+    hidden = jnp.tanh(params["embed"][tokens].astype(jnp.float32))
+    return hidden @ params["proj"].astype(jnp.float32)
 
 
 def tiny_lm_loss(params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
-  """``(loss_sum, count)`` of a batch ``{'tokens', 'labels'}`` (token unit)."""
-  return losses.causal_lm(tiny_lm_logits(params, batch["tokens"]), batch["labels"])
+    """``(loss_sum, count)`` of a batch ``{'tokens', 'labels'}`` (token unit)."""
+    return losses.causal_lm(tiny_lm_logits(params, batch["tokens"]), batch["labels"])
 
 
 class Layout(NamedTuple):
-  """How one window's samples are split: ``devices`` x ``k`` x ``micro_batch``."""
+    """How one window's samples are split: ``devices`` x ``k`` x ``micro_batch``."""
 
-  devices: int
-  k: int
-  micro_batch: int
+    devices: int
+    k: int
+    micro_batch: int
 
 
 def skewed_windows(
@@ -51,104 +51,105 @@ def skewed_windows(
     vocab: int = 13,
     seed: int = 0,
 ) -> dict[str, np.ndarray]:
-  """Token windows with strongly unequal valid-token counts.
+    """Token windows with strongly unequal valid-token counts.
 
-  Returns ``{'tokens', 'labels'}`` of shape ``[windows, devices, k, micro_batch,
-  seq_len]``. Every device holds a different number of valid tokens in every
-  window, and with several devices the last one holds none; with one device
-  and ``k > 1`` the first micro-batch holds none. A sample with ``n`` valid
-  tokens has labels at positions ``1..n`` (the causal shift makes position 0
-  never count) and ``-100`` elsewhere.
-  """
-  rng = np.random.default_rng(seed)
-  shape = (num_windows, layout.devices, layout.k, layout.micro_batch)
-  tokens = rng.integers(0, vocab, shape + (seq_len,))
-  lengths = np.zeros(shape, np.int64)
-  for w in range(num_windows):
-    while True:
-      draw = rng.integers(0, seq_len, shape[1:])
-      # skew: a few long samples, many short ones
-      draw = np.where(rng.random(shape[1:]) < 0.3, draw, draw // 4)
-      if layout.devices > 1:
-        draw[-1] = 0
-      elif layout.k > 1:
-        draw[0, 0] = 0
-      totals = draw.reshape(layout.devices, -1).sum(axis=1)
-      if len(set(totals.tolist())) == layout.devices and totals.sum() > 0:
-        break
-    lengths[w] = draw
-  positions = np.arange(seq_len)
-  valid = (positions >= 1) & (positions <= lengths[..., None])
-  labels = np.where(valid, rng.integers(0, vocab, tokens.shape), IGNORE_INDEX)
-  return {"tokens": tokens.astype(np.int32), "labels": labels.astype(np.int32)}
+    Returns ``{'tokens', 'labels'}`` of shape ``[windows, devices, k, micro_batch,
+    seq_len]``. Every device holds a different number of valid tokens in every
+    window, and with several devices the last one holds none; with one device
+    and ``k > 1`` the first micro-batch holds none. A sample with ``n`` valid
+    tokens has labels at positions ``1..n`` (the causal shift makes position 0
+    never count) and ``-100`` elsewhere.
+    """
+    rng = np.random.default_rng(seed)
+    shape = (num_windows, layout.devices, layout.k, layout.micro_batch)
+    tokens = rng.integers(0, vocab, shape + (seq_len,))
+    lengths = np.zeros(shape, np.int64)
+    for w in range(num_windows):
+        while True:
+            draw = rng.integers(0, seq_len, shape[1:])
+            # skew: a few long samples, many short ones
+            draw = np.where(rng.random(shape[1:]) < 0.3, draw, draw // 4)
+            if layout.devices > 1:
+                draw[-1] = 0
+            elif layout.k > 1:
+                draw[0, 0] = 0
+            totals = draw.reshape(layout.devices, -1).sum(axis=1)
+            if len(set(totals.tolist())) == layout.devices and totals.sum() > 0:
+                break
+        lengths[w] = draw
+    positions = np.arange(seq_len)
+    valid = (positions >= 1) & (positions <= lengths[..., None])
+    labels = np.where(valid, rng.integers(0, vocab, tokens.shape), IGNORE_INDEX)
+    return {"tokens": tokens.astype(np.int32), "labels": labels.astype(np.int32)}
 
 
 def big_batch(windows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """All samples of each window in one batch: ``[windows, samples, seq_len]``."""
-  return {
-      name: value.reshape(value.shape[0], -1, value.shape[-1])
-      for name, value in windows.items()
-  }
+    """All samples of each window in one batch: ``[windows, samples, seq_len]``."""
+    return {
+        name: value.reshape(value.shape[0], -1, value.shape[-1]) for name, value in windows.items()
+    }
 
 
 def max_abs_diff(a: Any, b: Any) -> float:
-  """Largest absolute elementwise difference between two pytrees (in float64)."""
-  return max(
-      float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-      for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-  )
+    """Largest absolute elementwise difference between two pytrees (in float64)."""
+    return max(
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 def _computations(hlo_text: str) -> dict[str, list[str]]:
-  """Splits HLO module text into ``{computation name: its instruction lines}``."""
-  computations: dict[str, list[str]] = {}
-  current = None
-  for line in hlo_text.splitlines():
-    if line and not line[0].isspace() and line.rstrip().endswith("{"):
-      header = line.split("(")[0].replace("ENTRY", "").strip()
-      current = header.lstrip("%")
-      computations[current] = []
-      if line.startswith("ENTRY"):
-        computations["__entry__"] = computations[current]
-    elif current is not None:
-      computations[current].append(line)
-  return computations
+    """Splits HLO module text into ``{computation name: its instruction lines}``."""
+    computations: dict[str, list[str]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            header = line.split("(")[0].replace("ENTRY", "").strip()
+            current = header.lstrip("%")
+            computations[current] = []
+            if line.startswith("ENTRY"):
+                computations["__entry__"] = computations[current]
+        elif current is not None:
+            computations[current].append(line)
+    return computations
 
 
 def all_reduce_placement(hlo_text: str) -> dict[str, Any]:
-  """Where the all-reduces of a compiled program sit.
+    """Where the all-reduces of a compiled program sit.
 
-  Returns ``{'total', 'entry', 'branches': [count per branch of each
-  conditional], 'loop_bodies'}``: the number of all-reduce instructions in the
-  whole module, in the entry computation, in each branch computation of each
-  conditional (in order), and in while-loop bodies.
-  """
-  import re
+    Returns ``{'total', 'entry', 'branches': [count per branch of each
+    conditional], 'loop_bodies'}``: the number of all-reduce instructions in the
+    whole module, in the entry computation, in each branch computation of each
+    conditional (in order), and in while-loop bodies.
+    """
+    import re
 
-  computations = _computations(hlo_text)
-  count = lambda name: sum(
-      " all-reduce(" in line or " all-reduce-start(" in line
-      for line in computations.get(name, [])
-  )
-  branches, bodies = [], []
-  for name, lines in computations.items():
-    if name == "__entry__":
-      continue  # an alias of the entry computation, already visited
-    for line in lines:
-      found = re.search(r"branch_computations=\{([^}]*)\}", line)
-      if found is None:
-        found = re.search(r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", line)
-        names = list(found.groups()) if found else []
-      else:
-        names = [n.strip().lstrip("%") for n in found.group(1).split(",")]
-      if names:
-        branches.append([count(n) for n in names])
-      body = re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)
-      if body:
-        bodies.append(body.group(1))
-  return {
-      "total": sum(count(n) for n in computations if n != "__entry__"),
-      "entry": count("__entry__"),
-      "branches": branches,
-      "loop_bodies": sum(count(b) for b in set(bodies)),
-  }
+    computations = _computations(hlo_text)
+    count = lambda name: sum(
+        " all-reduce(" in line or " all-reduce-start(" in line
+        for line in computations.get(name, [])
+    )
+    branches, bodies = [], []
+    for name, lines in computations.items():
+        if name == "__entry__":
+            continue  # an alias of the entry computation, already visited
+        for line in lines:
+            found = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if found is None:
+                found = re.search(
+                    r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", line
+                )
+                names = list(found.groups()) if found else []
+            else:
+                names = [n.strip().lstrip("%") for n in found.group(1).split(",")]
+            if names:
+                branches.append([count(n) for n in names])
+            body = re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)
+            if body:
+                bodies.append(body.group(1))
+    return {
+        "total": sum(count(n) for n in computations if n != "__entry__"),
+        "entry": count("__entry__"),
+        "branches": branches,
+        "loop_bodies": sum(count(b) for b in set(bodies)),
+    }

@@ -14,100 +14,100 @@ import jax.numpy as jnp
 def _token_losses(
     logits: jax.Array, labels: jax.Array, ignore_index: int
 ) -> tuple[jax.Array, jax.Array]:
-  """Per-position cross entropy after the causal shift, and the valid mask.
+    """Per-position cross entropy after the causal shift, and the valid mask.
 
-  Position ``t`` of ``logits`` predicts ``labels[t + 1]``; labels equal to
-  ``ignore_index`` (prompt, padding) are masked. Computed in float32 (float64
-  when the logits are float64).
-  """
-  if logits.ndim != labels.ndim + 1 or logits.shape[:-1] != labels.shape:
-    raise ValueError(
-        "losses: `logits` must be [..., T, vocab] and `labels` [..., T]; got"
-        f" logits {logits.shape} and labels {labels.shape}."
-    )
-  # at least float32 (bf16/fp16 logits are upcast; float64 stays float64)
-  compute_dtype = jnp.promote_types(logits.dtype, jnp.float32)
-  shift_logits = logits[..., :-1, :].astype(compute_dtype)
-  shift_labels = labels[..., 1:]
-  valid = shift_labels != ignore_index
-  safe_labels = jnp.where(valid, shift_labels, 0)
-  log_probs = jax.nn.log_softmax(shift_logits, axis=-1)
-  picked = jnp.take_along_axis(log_probs, safe_labels[..., None], axis=-1)[..., 0]
-  return jnp.where(valid, -picked, 0.0), valid
+    Position ``t`` of ``logits`` predicts ``labels[t + 1]``; labels equal to
+    ``ignore_index`` (prompt, padding) are masked. Computed in float32 (float64
+    when the logits are float64).
+    """
+    if logits.ndim != labels.ndim + 1 or logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            "losses: `logits` must be [..., T, vocab] and `labels` [..., T]; got"
+            f" logits {logits.shape} and labels {labels.shape}."
+        )
+    # at least float32 (bf16/fp16 logits are upcast; float64 stays float64)
+    compute_dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    shift_logits = logits[..., :-1, :].astype(compute_dtype)
+    shift_labels = labels[..., 1:]
+    valid = shift_labels != ignore_index
+    safe_labels = jnp.where(valid, shift_labels, 0)
+    log_probs = jax.nn.log_softmax(shift_logits, axis=-1)
+    picked = jnp.take_along_axis(log_probs, safe_labels[..., None], axis=-1)[..., 0]
+    return jnp.where(valid, -picked, 0.0), valid
 
 
 def causal_lm(
     logits: jax.Array, labels: jax.Array, *, ignore_index: int = -100
 ) -> tuple[jax.Array, jax.Array]:
-  """Token-level causal-LM cross entropy: ``(sum over valid tokens, valid tokens)``.
+    """Token-level causal-LM cross entropy: ``(sum over valid tokens, valid tokens)``.
 
-  .. math:: \\ell^{sum} = \\sum_{t:\\,y_{t+1} \\ne -100} -\\log p(y_{t+1} \\mid x_{\\le t}),
-     \\qquad n = |\\{t : y_{t+1} \\ne -100\\}|
+    .. math:: \\ell^{sum} = \\sum_{t:\\,y_{t+1} \\ne -100} -\\log p(y_{t+1} \\mid x_{\\le t}),
+       \\qquad n = |\\{t : y_{t+1} \\ne -100\\}|
 
-  The count is taken after the causal shift (the first label never counts).
+    The count is taken after the causal shift (the first label never counts).
 
-  Args:
-    logits: ``[..., T, vocab]``.
-    labels: ``[..., T]`` int, aligned with the inputs; ``ignore_index`` masks.
-    ignore_index: the label value that carries no loss.
+    Args:
+      logits: ``[..., T, vocab]``.
+      labels: ``[..., T]`` int, aligned with the inputs; ``ignore_index`` masks.
+      ignore_index: the label value that carries no loss.
 
-  Returns:
-    ``(loss_sum, count)``: float32 scalars (float64 for float64 logits).
+    Returns:
+      ``(loss_sum, count)``: float32 scalars (float64 for float64 logits).
 
-  Example:
-    >>> import jax.numpy as jnp
-    >>> logits = jnp.zeros((1, 3, 4))  # uniform over 4 classes
-    >>> loss_sum, count = causal_lm(logits, jnp.array([[7, 1, -100]]))
-    >>> round(float(loss_sum), 4), float(count)  # one valid token, log(4)
-    (1.3863, 1.0)
-  """
-  token_loss, valid = _token_losses(logits, labels, ignore_index)
-  return jnp.sum(token_loss), jnp.sum(valid).astype(token_loss.dtype)
+    Example:
+      >>> import jax.numpy as jnp
+      >>> logits = jnp.zeros((1, 3, 4))  # uniform over 4 classes
+      >>> loss_sum, count = causal_lm(logits, jnp.array([[7, 1, -100]]))
+      >>> round(float(loss_sum), 4), float(count)  # one valid token, log(4)
+      (1.3863, 1.0)
+    """
+    token_loss, valid = _token_losses(logits, labels, ignore_index)
+    return jnp.sum(token_loss), jnp.sum(valid).astype(token_loss.dtype)
 
 
 def causal_lm_per_sample(
     logits: jax.Array, labels: jax.Array, *, ignore_index: int = -100
 ) -> tuple[jax.Array, jax.Array]:
-  """Sample-level causal-LM loss: ``(sum of per-sample token means, samples)``.
+    """Sample-level causal-LM loss: ``(sum of per-sample token means, samples)``.
 
-  Each sample (row) takes the mean over its own valid tokens; the window then
-  weighs every sample equally. Samples with no valid token carry no loss and
-  are not counted. This is the unit of GRPO-style per-sequence losses.
+    Each sample (row) takes the mean over its own valid tokens; the window then
+    weighs every sample equally. Samples with no valid token carry no loss and
+    are not counted. This is the unit of GRPO-style per-sequence losses.
 
-  Returns:
-    ``(loss_sum, count)``: float32 scalars; ``count`` is the number of
-    samples with at least one valid token.
-  """
-  token_loss, valid = _token_losses(logits, labels, ignore_index)
-  tokens = jnp.sum(valid, axis=-1).astype(token_loss.dtype)
-  has_tokens = tokens > 0
-  sample_mean = jnp.sum(token_loss, axis=-1) / jnp.where(has_tokens, tokens, 1.0)
-  return (
-      jnp.sum(jnp.where(has_tokens, sample_mean, 0.0)),
-      jnp.sum(has_tokens).astype(token_loss.dtype),
-  )
+    Returns:
+      ``(loss_sum, count)``: float32 scalars; ``count`` is the number of
+      samples with at least one valid token.
+    """
+    token_loss, valid = _token_losses(logits, labels, ignore_index)
+    tokens = jnp.sum(valid, axis=-1).astype(token_loss.dtype)
+    has_tokens = tokens > 0
+    sample_mean = jnp.sum(token_loss, axis=-1) / jnp.where(has_tokens, tokens, 1.0)
+    return (
+        jnp.sum(jnp.where(has_tokens, sample_mean, 0.0)),
+        jnp.sum(has_tokens).astype(token_loss.dtype),
+    )
 
 
 def per_sample(
     sample_losses: jax.Array, mask: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
-  """A sample-level loss (classification, ranking, preference): ``(sum, samples)``.
+    """A sample-level loss (classification, ranking, preference): ``(sum, samples)``.
 
-  Args:
-    sample_losses: ``[B]`` one loss per sample.
-    mask: optional ``[B]`` bool, False for padding samples.
+    Args:
+      sample_losses: ``[B]`` one loss per sample.
+      mask: optional ``[B]`` bool, False for padding samples.
 
-  Returns:
-    ``(loss_sum, count)`` float32 scalars.
-  """
-  sample_losses = sample_losses.astype(jnp.float32)
-  if mask is None:
-    return jnp.sum(sample_losses), jnp.asarray(sample_losses.size, jnp.float32)
-  mask = mask.astype(jnp.bool_)
-  return (
-      jnp.sum(jnp.where(mask, sample_losses, 0.0)),
-      jnp.sum(mask).astype(jnp.float32),
-  )
+    Returns:
+      ``(loss_sum, count)`` float32 scalars.
+    """
+    sample_losses = sample_losses.astype(jnp.float32)
+    if mask is None:
+        return jnp.sum(sample_losses), jnp.asarray(sample_losses.size, jnp.float32)
+    mask = mask.astype(jnp.bool_)
+    return (
+        jnp.sum(jnp.where(mask, sample_losses, 0.0)),
+        jnp.sum(mask).astype(jnp.float32),
+    )
 
 
 # RL policy-gradient losses (GRPO, BNPO, Dr. GRPO, DAPO) in the same form.

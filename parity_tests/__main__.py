@@ -7,6 +7,7 @@ Exit status: 0 when every parity check is within tolerance and every negative
 control is flagged; 1 otherwise (a bug variant NOT flagged is a failure too);
 2 when the requested device is not available.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,9 @@ def _check_cuda() -> str | None:
 
     problems = []
     if not torch.cuda.is_available():
-        problems.append("torch.cuda.is_available() is False (a CPU build of torch, or no visible GPU)")
+        problems.append(
+            "torch.cuda.is_available() is False (a CPU build of torch, or no visible GPU)"
+        )
     try:
         gpus = jax.devices("gpu")
     except RuntimeError:
@@ -49,14 +52,27 @@ def _check_cuda() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m parity_tests", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cpu: fp32 and fp64 on JAX's (8 fake) CPU devices and gloo ranks; "
-                             "cuda: fp32 and bf16, both frameworks on one GPU")
-    parser.add_argument("--quick", action="store_true",
-                        help="three scenarios + loss scaling + all negative controls")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out/parity"),
-                        help="directory for parity.md, parity.json, parity_loss.png")
+    parser = argparse.ArgumentParser(
+        prog="python -m parity_tests", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: fp32 and fp64 on JAX's (8 fake) CPU devices and gloo ranks; "
+        "cuda: fp32 and bf16, both frameworks on one GPU",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="three scenarios + loss scaling + all negative controls",
+    )
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("out/parity"),
+        help="directory for parity.md, parity.json, parity_loss.png",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
@@ -64,8 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         problem = _check_cuda()
         if problem:
-            print(f"parity_tests: --device cuda needs a GPU visible to both JAX and torch: {problem}",
-                  file=sys.stderr)
+            print(
+                f"parity_tests: --device cuda needs a GPU visible to both JAX and torch: {problem}",
+                file=sys.stderr,
+            )
             return 2
 
     from parity_tests import report, suite

@@ -22,6 +22,7 @@ compare, per update and exactly, the sequences of ``skipped`` (the window was
 dropped), ``loss_scale`` (the scale for the next window: powers of two) and
 ``update_id`` (updates applied so far): a parity row passes only if they are equal.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,22 +65,31 @@ class Tolerance:
 # The tolerances, per dtype. Reasons are in the strings: they are printed in the report.
 TOLERANCES = {
     "float64": Tolerance(
-        param=1e-9, loss=1e-12, grad_norm=1e-9,
+        param=1e-9,
+        loss=1e-12,
+        grad_norm=1e-9,
         reason="fp64 (unit roundoff 1.1e-16): the same sums in different orders and 5 AdamW steps; "
-               "measured <= 1.5e-14 (param), 3.4e-16 (loss) for torch_ref's layouts and 4.8e-14 for the "
-               "two big batches without clipping; 1e-9 is the issue's acceptance bound"),
+        "measured <= 1.5e-14 (param), 3.4e-16 (loss) for torch_ref's layouts and 4.8e-14 for the "
+        "two big batches without clipping; 1e-9 is the issue's acceptance bound",
+    ),
     "float32": Tolerance(
-        param=1e-4, loss=2e-6, grad_norm=5e-6,
+        param=1e-4,
+        loss=2e-6,
+        grad_norm=5e-6,
         reason="fp32 (unit roundoff 6e-8): the frameworks and layouts add the same per-token terms in "
-               "different orders (~1e3 loss terms, ~1e5 gradient elements), and AdamW amplifies gradient "
-               "rounding where an element's gradient is ~eps; measured over the CPU matrix <= 2.8e-5 "
-               "(param), 3.1e-7 (loss), 4.2e-7 (grad norm); 1e-4 is the issue's acceptance bound"),
+        "different orders (~1e3 loss terms, ~1e5 gradient elements), and AdamW amplifies gradient "
+        "rounding where an element's gradient is ~eps; measured over the CPU matrix <= 2.8e-5 "
+        "(param), 3.1e-7 (loss), 4.2e-7 (grad norm); 1e-4 is the issue's acceptance bound",
+    ),
     "bfloat16": Tolerance(
-        param=0.15, loss=1e-3, grad_norm=1e-2,
+        param=0.15,
+        loss=1e-3,
+        grad_norm=1e-2,
         reason="bf16 matmuls (fp32 parameters, optimizer and loss): unit roundoff 3.9e-3 per product; "
-               "torch autocast and the Flax dtype policy round different intermediates, and AdamW turns "
-               "gradient noise into sign-level steps for small elements; calibrated on CPU (measured "
-               "param 5.6e-2, loss 6.5e-5, grad norm 2.6e-3 for the big batch), not yet on a GPU"),
+        "torch autocast and the Flax dtype policy round different intermediates, and AdamW turns "
+        "gradient noise into sign-level steps for small elements; calibrated on CPU (measured "
+        "param 5.6e-2, loss 6.5e-5, grad norm 2.6e-3 for the big batch), not yet on a GPU",
+    ),
 }
 
 # A negative control is flagged when its worst deviation/tolerance ratio reaches this.
@@ -130,7 +140,10 @@ def relative(a: Run, b: Run, key: str) -> list[float]:
 def absolute(a: Run, b: Run, key: str) -> list[float]:
     """Per update ``|a - b|`` of a record field."""
     _check_lengths(a, b)
-    return [abs(float(ra.get(key, math.nan)) - float(rb.get(key, math.nan))) for ra, rb in zip(a.records, b.records)]
+    return [
+        abs(float(ra.get(key, math.nan)) - float(rb.get(key, math.nan)))
+        for ra, rb in zip(a.records, b.records)
+    ]
 
 
 # The per-update record fields a loss-scaling check compares exactly.
@@ -141,7 +154,9 @@ def sequences(a: Run, b: Run, keys=SCALING_SEQUENCES) -> dict[str, tuple[list, l
     """``{key: (a's per-update values, b's)}``, as plain bools/floats/ints (exact comparison)."""
     _check_lengths(a, b)
     cast = {"skipped": bool, "update_id": int}
-    return {k: tuple([cast.get(k, float)(r[k]) for r in run.records] for run in (a, b)) for k in keys}
+    return {
+        k: tuple([cast.get(k, float)(r[k]) for r in run.records] for run in (a, b)) for k in keys
+    }
 
 
 def _check_lengths(a: Run, b: Run) -> None:
@@ -177,7 +192,9 @@ class Check:
     grad_norm_dev: list[float]
     count_dev: list[float]
     comm: tuple[float, float] | None = None
-    sequences: dict[str, tuple[list, list]] | None = None  # loss scaling: exact per-update sequences
+    sequences: dict[str, tuple[list, list]] | None = (
+        None  # loss scaling: exact per-update sequences
+    )
 
     @property
     def sequences_equal(self) -> bool | None:
@@ -189,9 +206,15 @@ class Check:
     @property
     def ratios(self) -> dict[str, float]:
         """Worst deviation / tolerance, per measure."""
-        r = {"param": _worst(self.param_dev) / self.tol.param,
-             "loss": _worst(self.loss_dev) / self.tol.loss}
-        gn = [v for v in self.grad_norm_dev if not math.isnan(v)] if self.kind != "parity" else self.grad_norm_dev
+        r = {
+            "param": _worst(self.param_dev) / self.tol.param,
+            "loss": _worst(self.loss_dev) / self.tol.loss,
+        }
+        gn = (
+            [v for v in self.grad_norm_dev if not math.isnan(v)]
+            if self.kind != "parity"
+            else self.grad_norm_dev
+        )
         if gn:
             r["grad_norm"] = _worst(gn) / self.tol.grad_norm
         return r
@@ -208,28 +231,54 @@ class Check:
     def row(self) -> dict:
         """A flat dict for the table and the JSON report."""
         return {
-            "scenario": self.scenario, "subject": self.subject, "reference": self.reference,
-            "kind": self.kind, "param_dev": _worst(self.param_dev),
+            "scenario": self.scenario,
+            "subject": self.subject,
+            "reference": self.reference,
+            "kind": self.kind,
+            "param_dev": _worst(self.param_dev),
             "param_dev_elementwise": _worst(self.param_dev_elementwise),
             "loss_dev": _worst(self.loss_dev),
-            "grad_norm_dev": _worst([v for v in self.grad_norm_dev if not math.isnan(v)] or [math.nan]),
+            "grad_norm_dev": _worst(
+                [v for v in self.grad_norm_dev if not math.isnan(v)] or [math.nan]
+            ),
             "count_dev": _worst(self.count_dev) if self.count_dev else math.nan,
-            "tol_param": self.tol.param, "tol_loss": self.tol.loss, "tol_grad_norm": self.tol.grad_norm,
-            "ratios": self.ratios, "comm": self.comm, "passed": self.passed,
-            "sequences": (None if self.sequences is None else
-                          {k: {"subject": a, "reference": b} for k, (a, b) in self.sequences.items()}),
+            "tol_param": self.tol.param,
+            "tol_loss": self.tol.loss,
+            "tol_grad_norm": self.tol.grad_norm,
+            "ratios": self.ratios,
+            "comm": self.comm,
+            "passed": self.passed,
+            "sequences": (
+                None
+                if self.sequences is None
+                else {k: {"subject": a, "reference": b} for k, (a, b) in self.sequences.items()}
+            ),
             "sequences_equal": self.sequences_equal,
-            "per_update": {"param_dev": self.param_dev, "loss_dev": self.loss_dev,
-                           "grad_norm_dev": self.grad_norm_dev},
+            "per_update": {
+                "param_dev": self.param_dev,
+                "loss_dev": self.loss_dev,
+                "grad_norm_dev": self.grad_norm_dev,
+            },
         }
 
 
-def compare(scenario: str, subject: Run, reference: Run, tol: Tolerance, kind: str = "parity",
-            comm: tuple[float, float] | None = None, scaling: bool = False) -> Check:
+def compare(
+    scenario: str,
+    subject: Run,
+    reference: Run,
+    tol: Tolerance,
+    kind: str = "parity",
+    comm: tuple[float, float] | None = None,
+    scaling: bool = False,
+) -> Check:
     """Builds the :class:`Check` of ``subject`` against ``reference`` (``scaling``: also
     the exact :data:`SCALING_SEQUENCES`)."""
     return Check(
-        scenario=scenario, subject=subject.label, reference=reference.label, kind=kind, tol=tol,
+        scenario=scenario,
+        subject=subject.label,
+        reference=reference.label,
+        kind=kind,
+        tol=tol,
         param_dev=param_deviation(subject, reference),
         param_dev_elementwise=param_deviation_elementwise(subject, reference),
         loss_dev=relative(subject, reference, "loss"),

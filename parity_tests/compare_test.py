@@ -1,14 +1,17 @@
 """The deviation measures on hand-made runs, and when a check passes or a control is flagged."""
+
 import math
 
 import numpy as np
 
 from parity_tests import compare
-from parity_tests.compare import Run, TOLERANCES
+from parity_tests.compare import TOLERANCES, Run
 
 
 def _run(label, params, losses, counts=(10.0, 10.0), norms=(1.0, 1.0)):
-    records = [{"loss": l, "window_count": c, "grad_norm": g} for l, c, g in zip(losses, counts, norms)]
+    records = [
+        {"loss": l, "window_count": c, "grad_norm": g} for l, c, g in zip(losses, counts, norms)
+    ]
     return Run(label, records, [{"w": np.asarray(p, np.float64)} for p in params])
 
 
@@ -37,7 +40,9 @@ def test_parity_check_passes_within_tolerance_and_fails_outside():
 def test_control_is_flagged_only_at_100x_tolerance():
     tol = TOLERANCES["float32"]
     ref = _run("ref", [[0.0], [1.0], [2.0]], [2.0, 1.5])
-    bug = _run("bug", [[0.0], [1.0], [2.0 + 2 * 1e-4 * 100]], [2.0, 1.5])  # 100 x tol after update 2
+    bug = _run(
+        "bug", [[0.0], [1.0], [2.0 + 2 * 1e-4 * 100]], [2.0, 1.5]
+    )  # 100 x tol after update 2
     weak = _run("weak", [[0.0], [1.0], [2.0 + 2 * 1e-4 * 10]], [2.0, 1.5])
     assert compare.compare("s", bug, ref, tol, "control").passed
     assert not compare.compare("s", weak, ref, tol, "control").passed

@@ -31,6 +31,7 @@ Example::
     >>> apply(params, np.zeros((1, 8), np.int32)).shape
     (1, 8, 256)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -94,8 +95,14 @@ class _MLP(nnx.Module):
 def _layer_norm(cfg, param_dtype, rngs):
     # Two-pass variance (use_fast_variance=False) like torch.nn.LayerNorm; statistics in
     # the parameter dtype (fp32 under bf16 compute, as autocast keeps layer_norm in fp32).
-    return nnx.LayerNorm(cfg.d_model, epsilon=cfg.layer_norm_eps, param_dtype=param_dtype,
-                         dtype=param_dtype, use_fast_variance=False, rngs=rngs)
+    return nnx.LayerNorm(
+        cfg.d_model,
+        epsilon=cfg.layer_norm_eps,
+        param_dtype=param_dtype,
+        dtype=param_dtype,
+        use_fast_variance=False,
+        rngs=rngs,
+    )
 
 
 class _Block(nnx.Module):
@@ -126,21 +133,37 @@ class TinyGPT(nnx.Module):
     logits ``[B, T, vocab_size]``.
     """
 
-    def __init__(self, config: TinyGPTConfig = TinyGPTConfig(), *, param_dtype=jnp.float32,
-                 compute_dtype=None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        config: TinyGPTConfig = TinyGPTConfig(),
+        *,
+        param_dtype=jnp.float32,
+        compute_dtype=None,
+        rngs: nnx.Rngs,
+    ):
         cfg = config
         self.config = cfg
         self.wte = nnx.Embed(cfg.vocab_size, cfg.d_model, param_dtype=param_dtype, rngs=rngs)
         self.wpe = nnx.Embed(cfg.block_size, cfg.d_model, param_dtype=param_dtype, rngs=rngs)
-        self.h = nnx.List([_Block(cfg, compute_dtype, param_dtype, rngs) for _ in range(cfg.n_layer)])
+        self.h = nnx.List(
+            [_Block(cfg, compute_dtype, param_dtype, rngs) for _ in range(cfg.n_layer)]
+        )
         self.ln_f = _layer_norm(cfg, param_dtype, rngs)
-        self.lm_head = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=compute_dtype,
-                                  param_dtype=param_dtype, rngs=rngs)
+        self.lm_head = nnx.Linear(
+            cfg.d_model,
+            cfg.vocab_size,
+            use_bias=False,
+            dtype=compute_dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
 
     def __call__(self, tokens):
         t = tokens.shape[-1]
         if t > self.config.block_size:
-            raise ValueError(f"tokens: sequence length {t} exceeds block_size {self.config.block_size}")
+            raise ValueError(
+                f"tokens: sequence length {t} exceeds block_size {self.config.block_size}"
+            )
         x = self.wte(tokens) + self.wpe(jnp.arange(t))[None]
         for block in self.h:
             x = block(x)
@@ -151,10 +174,13 @@ class TinyGPT(nnx.Module):
 # Pure-function view and the torch-layout exchange format.
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _graphdef(config: TinyGPTConfig, param_dtype, compute_dtype):
-    abstract = nnx.eval_shape(lambda: TinyGPT(config, param_dtype=param_dtype,
-                                              compute_dtype=compute_dtype, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(
+        lambda: TinyGPT(
+            config, param_dtype=param_dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0)
+        )
+    )
     graphdef, state = nnx.split(abstract)
     return graphdef, state
 
@@ -175,8 +201,9 @@ def _torch_to_flax_name(name: str) -> tuple[tuple, bool]:
     return tuple(path + ["kernel" if leaf == "weight" else "bias"]), leaf == "weight"
 
 
-def params_from_state_dict(state_dict, config: TinyGPTConfig = TinyGPTConfig(), dtype=None,
-                           to_jax: bool = True) -> dict:
+def params_from_state_dict(
+    state_dict, config: TinyGPTConfig = TinyGPTConfig(), dtype=None, to_jax: bool = True
+) -> dict:
     """Torch-layout numpy ``state_dict`` -> nested params dict for :func:`apply`.
 
     Linear weights ``[out, in]`` become kernels ``[in, out]``; every other array is
@@ -202,8 +229,10 @@ def params_from_state_dict(state_dict, config: TinyGPTConfig = TinyGPTConfig(), 
         arr = np.asarray(value)
         arr = arr.T if transpose else arr
         if arr.shape != tuple(expected[path]):
-            raise ValueError(f"state_dict[{name!r}]: shape {arr.shape} after layout change, "
-                             f"expected {tuple(expected[path])}")
+            raise ValueError(
+                f"state_dict[{name!r}]: shape {arr.shape} after layout change, "
+                f"expected {tuple(expected[path])}"
+            )
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
@@ -212,11 +241,15 @@ def params_from_state_dict(state_dict, config: TinyGPTConfig = TinyGPTConfig(), 
         seen.add(path)
     missing = set(expected) - seen
     if missing:
-        raise KeyError(f"state_dict: missing entries for {sorted('.'.join(map(str, p)) for p in missing)}")
+        raise KeyError(
+            f"state_dict: missing entries for {sorted('.'.join(map(str, p)) for p in missing)}"
+        )
     return params
 
 
-def state_dict_from_params(params, config: TinyGPTConfig = TinyGPTConfig()) -> dict[str, np.ndarray]:
+def state_dict_from_params(
+    params, config: TinyGPTConfig = TinyGPTConfig()
+) -> dict[str, np.ndarray]:
     """Nested params dict -> torch-layout numpy ``state_dict`` (inverse of the loader)."""
     _, abstract = _graphdef(config, jnp.float32, None)
     out = {}
@@ -244,24 +277,31 @@ def apply(params, tokens, config: TinyGPTConfig = TinyGPTConfig(), compute_dtype
     ``compute_dtype`` (e.g. ``jnp.bfloat16``) sets the dtype of the matrix products.
     """
     param_dtype = jax.tree.leaves(params)[0].dtype
-    graphdef, abstract = _graphdef(config, jnp.dtype(param_dtype).type,
-                                   None if compute_dtype is None else jnp.dtype(compute_dtype).type)
+    graphdef, abstract = _graphdef(
+        config,
+        jnp.dtype(param_dtype).type,
+        None if compute_dtype is None else jnp.dtype(compute_dtype).type,
+    )
     state = jax.tree.map(lambda x: x, abstract)  # a fresh copy to fill
     nnx.replace_by_pure_dict(state, params)
     return nnx.merge(graphdef, state)(tokens)
 
 
-def module_from_state_dict(state_dict, config: TinyGPTConfig = TinyGPTConfig(), dtype=jnp.float32,
-                           compute_dtype=None) -> TinyGPT:
+def module_from_state_dict(
+    state_dict, config: TinyGPTConfig = TinyGPTConfig(), dtype=jnp.float32, compute_dtype=None
+) -> TinyGPT:
     """An NNX :class:`TinyGPT` holding the torch-layout weights (no random init is run)."""
-    model = nnx.eval_shape(lambda: TinyGPT(config, param_dtype=dtype, compute_dtype=compute_dtype,
-                                           rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(
+        lambda: TinyGPT(config, param_dtype=dtype, compute_dtype=compute_dtype, rngs=nnx.Rngs(0))
+    )
     graphdef, state = nnx.split(model)
     nnx.replace_by_pure_dict(state, params_from_state_dict(state_dict, config, dtype=dtype))
     return nnx.merge(graphdef, state)
 
 
-def init_state_dict(config: TinyGPTConfig = TinyGPTConfig(), seed: int = 0) -> dict[str, np.ndarray]:
+def init_state_dict(
+    config: TinyGPTConfig = TinyGPTConfig(), seed: int = 0
+) -> dict[str, np.ndarray]:
     """GPT-2 style random weights in the torch layout (float64 numpy), from ``seed``.
 
     N(0, 0.02) for embeddings and Linear weights, 0.02/sqrt(2 n_layer) for the

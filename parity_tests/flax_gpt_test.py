@@ -1,4 +1,5 @@
 """The Flax twin computes what ``torch_ref.TinyGPT`` computes, weight for weight (minGPT-style)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +39,9 @@ def _rel(a, b):
 def test_logits_match_torch_fp32(weights):
     tokens = _tokens()
     ref = _torch_logits(weights, tokens)
-    ours = np.asarray(flax_gpt.apply(flax_gpt.params_from_state_dict(weights, dtype=jnp.float32), tokens))
+    ours = np.asarray(
+        flax_gpt.apply(flax_gpt.params_from_state_dict(weights, dtype=jnp.float32), tokens)
+    )
     # fp32 (unit roundoff 6e-8): each logit is ~5 chained matmuls of 64-256 terms plus two
     # softmax/LayerNorm reductions, summed in different orders by XLA and torch; measured 3.4e-7.
     assert _rel(ours, ref) < 1e-5
@@ -48,7 +51,9 @@ def test_logits_match_torch_fp64(weights):
     tokens = _tokens()
     ref = _torch_logits(weights, tokens, dtype=torch.float64)
     with jax.enable_x64(True):
-        ours = np.asarray(flax_gpt.apply(flax_gpt.params_from_state_dict(weights, dtype=jnp.float64), tokens))
+        ours = np.asarray(
+            flax_gpt.apply(flax_gpt.params_from_state_dict(weights, dtype=jnp.float64), tokens)
+        )
     assert ours.dtype == np.float64
     # fp64 (unit roundoff 1.1e-16): the same sums as above, measured 7.8e-16.
     assert _rel(ours, ref) < 1e-12
@@ -57,8 +62,13 @@ def test_logits_match_torch_fp64(weights):
 def test_logits_match_torch_bf16_compute(weights):
     tokens = _tokens()
     ref = _torch_logits(weights, tokens, autocast=torch.bfloat16)
-    ours = np.asarray(flax_gpt.apply(flax_gpt.params_from_state_dict(weights, dtype=jnp.float32), tokens,
-                                     compute_dtype=jnp.bfloat16))
+    ours = np.asarray(
+        flax_gpt.apply(
+            flax_gpt.params_from_state_dict(weights, dtype=jnp.float32),
+            tokens,
+            compute_dtype=jnp.bfloat16,
+        )
+    )
     # bf16 matmuls (8-bit mantissa, roundoff 3.9e-3) on both sides, but torch's CPU autocast and
     # the Flax dtype policy round different intermediates; measured 5.5e-3 of the largest logit.
     assert _rel(ours, ref) < 5e-2

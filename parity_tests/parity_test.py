@@ -7,6 +7,7 @@ then one test per promise. Tolerances and their reasons live in
 ``parity_tests.compare.TOLERANCES`` (fp32: parameters 1e-4 of the movement,
 fp64: 1e-9, the issue's acceptance numbers).
 """
+
 import json
 import math
 
@@ -23,17 +24,24 @@ def result():
 
 
 def _checks(result, subject, reference, dtype=None):
-    found = [c for c in result.checks if c.subject == subject and c.reference == reference
-             and (dtype is None or f"-{dtype}-" in c.scenario)]
+    found = [
+        c
+        for c in result.checks
+        if c.subject == subject
+        and c.reference == reference
+        and (dtype is None or f"-{dtype}-" in c.scenario)
+    ]
     assert found, f"no check {subject} vs {reference} ({dtype}); errors: {list(result.errors)}"
     return found
 
 
 def _describe(c):
     r = c.row()
-    return (f"{c.scenario}: {c.subject} vs {c.reference}: param {r['param_dev']:.3g} (tol {c.tol.param:g}), "
-            f"loss {r['loss_dev']:.3g} (tol {c.tol.loss:g}), grad norm {r['grad_norm_dev']:.3g} "
-            f"(tol {c.tol.grad_norm:g}), count {r['count_dev']}")
+    return (
+        f"{c.scenario}: {c.subject} vs {c.reference}: param {r['param_dev']:.3g} (tol {c.tol.param:g}), "
+        f"loss {r['loss_dev']:.3g} (tol {c.tol.loss:g}), grad norm {r['grad_norm_dev']:.3g} "
+        f"(tol {c.tol.grad_norm:g}), count {r['count_dev']}"
+    )
 
 
 def _assert_within(checks):
@@ -59,9 +67,11 @@ def test_jaxaccum_matches_torch_ref_fp32(result):
 
 
 def test_every_layout_is_the_big_batch_in_each_framework(result):
-    _assert_within(_checks(result, "jaxaccum", "jax big batch", "float32")
-                   + _checks(result, "torch_ref", "torch big batch", "float32")
-                   + _checks(result, "jax big batch", "torch big batch", "float32"))
+    _assert_within(
+        _checks(result, "jaxaccum", "jax big batch", "float32")
+        + _checks(result, "torch_ref", "torch big batch", "float32")
+        + _checks(result, "jax big batch", "torch big batch", "float32")
+    )
 
 
 def test_float64_parity(result):
@@ -69,7 +79,9 @@ def test_float64_parity(result):
     # measured deviation of the two big batches without clipping is ~5e-14).
     checks = [c for c in result.checks if "-float64-" in c.scenario and c.kind == "parity"]
     subjects = {(c.subject, c.reference) for c in checks}
-    assert ("jaxaccum", "torch_ref") in subjects, f"jaxaccum fp64 did not run: {list(result.errors)}"
+    assert ("jaxaccum", "torch_ref") in subjects, (
+        f"jaxaccum fp64 did not run: {list(result.errors)}"
+    )
     assert all(c.tol.param == 1e-9 for c in checks)
     _assert_within(checks)
 
@@ -98,10 +110,15 @@ def test_fp16_loss_scaling_parity(result):
 
 def test_negative_controls_are_flagged(result):
     controls = [c for c in result.checks if c.kind == "control"]
-    expected = {"optax.MultiSteps"} | {f"torch_ref:{b}" for b in torch_ref.buggy.BUG_NAMES
-                                        if b != torch_ref.buggy.NO_SYNC_BACKWARD_ONLY}
+    expected = {"optax.MultiSteps"} | {
+        f"torch_ref:{b}"
+        for b in torch_ref.buggy.BUG_NAMES
+        if b != torch_ref.buggy.NO_SYNC_BACKWARD_ONLY
+    }
     assert {c.subject for c in controls} == expected
-    weak = [f"{_describe(c)}; ratios {c.ratios}" for c in controls if c.ratios["param"] < FLAG_RATIO]
+    weak = [
+        f"{_describe(c)}; ratios {c.ratios}" for c in controls if c.ratios["param"] < FLAG_RATIO
+    ]
     # Every numeric bug moves the parameters >= 100 x the fp32 tolerance away from the big
     # batch on the default skewed data (measured: 309 for ddp_average_forgotten up to ~1e5).
     assert not weak, "\n".join(weak)
@@ -125,7 +142,10 @@ def test_report_files(result, tmp_path):
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = paths["md"].read_text()
     assert md.count("\n| R") == len(result.checks)  # one table row per check
-    assert "loss_scale: jaxaccum [1024 2048 2048 1024 1024], torch_ref [1024 2048 2048 1024 1024]" in md
+    assert (
+        "loss_scale: jaxaccum [1024 2048 2048 1024 1024], torch_ref [1024 2048 2048 1024 1024]"
+        in md
+    )
     assert any(c["sequences_equal"] for c in data["checks"])
     table = report.table(result)
     assert len(table.splitlines()) == len(result.checks) + 2

@@ -26,6 +26,7 @@ step about 2x faster on CPU (fewer, larger fusions). Parameters are
 snapshotted after every update as torch-layout float64 numpy state dicts
 (``params[0]`` is the initial state).
 """
+
 from __future__ import annotations
 
 import functools
@@ -44,14 +45,24 @@ import jaxaccum
 from jaxaccum._normalize import clip_by_global_norm
 from parity_tests import flax_gpt
 from parity_tests.compare import Run
-from parity_tests.scenarios import IGNORE_INDEX, PAD_TOKEN, Optimizer, Scenario, global_batches, layouts, units
+from parity_tests.scenarios import (
+    IGNORE_INDEX,
+    PAD_TOKEN,
+    Optimizer,
+    Scenario,
+    global_batches,
+    layouts,
+    units,
+)
 
 AXIS = "data"
 
 
 def _dtypes(dtype: str):
     """(parameter dtype, matmul compute dtype or None) of a scenario dtype name."""
-    return (jnp.float64 if dtype == "float64" else jnp.float32), (jnp.bfloat16 if dtype == "bfloat16" else None)
+    return (jnp.float64 if dtype == "float64" else jnp.float32), (
+        jnp.bfloat16 if dtype == "bfloat16" else None
+    )
 
 
 def precision(scn: Scenario):
@@ -84,7 +95,9 @@ def schedule_fn(opt: Optimizer, dtype=jnp.float32):
 
 
 def adamw(opt: Optimizer, dtype=jnp.float32) -> optax.GradientTransformation:
-    return optax.adamw(schedule_fn(opt, dtype), b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay)
+    return optax.adamw(
+        schedule_fn(opt, dtype), b1=opt.b1, b2=opt.b2, eps=opt.eps, weight_decay=opt.weight_decay
+    )
 
 
 def loss_fn(unit: str, dtype=jnp.float32):
@@ -100,7 +113,7 @@ def loss_fn(unit: str, dtype=jnp.float32):
 # ----------------------------------------------------------------------------- parameters
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layout(dtype):
     """The flat-vector layout: ``[(path, shape)]`` in ``ravel_pytree`` order, and the treedef."""
     _, abstract = flax_gpt._graphdef(flax_gpt.TinyGPTConfig(), dtype, None)
@@ -109,12 +122,13 @@ def _layout(dtype):
     return [leaf.shape for leaf in leaves], treedef
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unravel(dtype):
     """``unravel(flat) -> params pytree`` (jnp, for use inside jit)."""
     shapes, treedef = _layout(dtype)
-    return jax.flatten_util.ravel_pytree(jax.tree_util.tree_unflatten(
-        treedef, [np.zeros(s, dtype) for s in shapes]))[1]
+    return jax.flatten_util.ravel_pytree(
+        jax.tree_util.tree_unflatten(treedef, [np.zeros(s, dtype) for s in shapes])
+    )[1]
 
 
 def _unravel_np(flat: np.ndarray, dtype) -> dict:
@@ -142,7 +156,9 @@ def _logits(flat, tokens, dtype, compute_dtype):
 
 def _snapshot(flat, scn: Scenario) -> dict[str, np.ndarray]:
     params = _unravel_np(np.asarray(jax.device_get(flat), np.float64), _dtypes(scn.dtype)[0])
-    return {k: np.asarray(v, np.float64) for k, v in flax_gpt.state_dict_from_params(params).items()}
+    return {
+        k: np.asarray(v, np.float64) for k, v in flax_gpt.state_dict_from_params(params).items()
+    }
 
 
 def _record(metrics) -> dict:
@@ -167,9 +183,14 @@ class _DataParallel:
         if self.strategy == "shard_map":
             self.mesh = Mesh(np.asarray(devices[:world]), (AXIS,))
             kind_spec = {"replicated": P(), "state": state_specs}
-            self.step = jax.jit(jax.shard_map(
-                body, mesh=self.mesh, in_specs=(P(), state_specs, P(AXIS), P(AXIS)) + (P(),) * n_scalars,
-                out_specs=tuple(kind_spec[k] for k in out_kinds)))
+            self.step = jax.jit(
+                jax.shard_map(
+                    body,
+                    mesh=self.mesh,
+                    in_specs=(P(), state_specs, P(AXIS), P(AXIS)) + (P(),) * n_scalars,
+                    out_specs=tuple(kind_spec[k] for k in out_kinds),
+                )
+            )
         else:
             mapped = jax.vmap(body, axis_name=AXIS, in_axes=(0, 0, 0, 0) + (None,) * n_scalars)
             self.step = jax.jit(lambda p, s, t, l, *a: mapped(p, s, t[:, None], l[:, None], *a))
@@ -199,7 +220,7 @@ class _DataParallel:
 # ----------------------------------------------------------------------------- jaxaccum
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jaxaccum_fns(world: int, k: int, unit: str, dtype: str, opt: Optimizer, scaling=None):
     """``(data-parallel runner, init)`` for one layout/unit/dtype/optimizer (cached across runs).
 
@@ -211,29 +232,45 @@ def _jaxaccum_fns(world: int, k: int, unit: str, dtype: str, opt: Optimizer, sca
     pdt, cdt = _dtypes(dtype)
     loss_scaling = None
     if scaling is not None:
-        loss_scaling = jaxaccum.DynamicLossScale(init_scale=scaling.init_scale, growth_factor=2.0,
-                                                 backoff_factor=0.5, growth_interval=scaling.growth_interval)
-    tx = jaxaccum.multi_steps(adamw(opt, pdt), k, axis_name=AXIS, max_grad_norm=opt.max_grad_norm,
-                              accumulator_dtype=pdt, loss_scaling=loss_scaling)
+        loss_scaling = jaxaccum.DynamicLossScale(
+            init_scale=scaling.init_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=scaling.growth_interval,
+        )
+    tx = jaxaccum.multi_steps(
+        adamw(opt, pdt),
+        k,
+        axis_name=AXIS,
+        max_grad_norm=opt.max_grad_norm,
+        accumulator_dtype=pdt,
+        loss_scaling=loss_scaling,
+    )
     lfn = loss_fn(unit, pdt)
     specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, _flat_shape(pdt)), AXIS)
     dp = None
     shard = len(jax.devices()) >= world  # _DataParallel's choice: pcast only under shard_map
     scaled_grad = jaxaccum.value_and_grad(
-        lambda p, tokens, labels, poison: lfn(_logits(p, tokens, pdt, cdt) * poison.astype(pdt), labels),
-        axis_name=AXIS if shard else None)
+        lambda p, tokens, labels, poison: lfn(
+            _logits(p, tokens, pdt, cdt) * poison.astype(pdt), labels
+        ),
+        axis_name=AXIS if shard else None,
+    )
 
     def micro_step(params, state, tokens, labels, end_window, poison):
         tokens, labels = tokens[0], labels[0]  # this device's micro-batch [mb, T]
         if scaling is None:
             (loss_sum, count), grads = jax.value_and_grad(
-                lambda p: lfn(_logits(p, tokens, pdt, cdt), labels), has_aux=True)(dp.local_params(params))
+                lambda p: lfn(_logits(p, tokens, pdt, cdt), labels), has_aux=True
+            )(dp.local_params(params))
         else:
             poison = jnp.where(jax.lax.axis_index(AXIS) == poison[1], poison[0], 1.0)
-            (loss_sum, count), grads = scaled_grad(params, tokens, labels, poison,
-                                                   loss_scale=jaxaccum.loss_scale(state))
-        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum,
-                                   end_window=end_window)
+            (loss_sum, count), grads = scaled_grad(
+                params, tokens, labels, poison, loss_scale=jaxaccum.loss_scale(state)
+            )
+        updates, state = tx.update(
+            grads, state, params, count=count, loss_sum=loss_sum, end_window=end_window
+        )
         return optax.apply_updates(params, updates), state, jaxaccum.window_metrics(state)
 
     dp = _DataParallel(world, micro_step, specs, 2, ("replicated", "state", "replicated"))
@@ -258,11 +295,18 @@ def run_jaxaccum(scn: Scenario, weights: dict[str, np.ndarray]) -> Run:
                 # (logit multiplier, poisoned rank): the overflow injection of scn.loss_scaling.
                 bad = [r for r in range(scn.world) if ls is not None and ls.poison(u, r, m)]
                 if len(bad) > 1:
-                    raise ValueError(f"loss_scaling: one poisoned rank per micro-batch index, got {bad}")
+                    raise ValueError(
+                        f"loss_scaling: one poisoned rank per micro-batch index, got {bad}"
+                    )
                 poison = jnp.asarray([np.inf, bad[0]] if bad else [1.0, -1.0], jnp.float32)
                 # end_window only matters in a short window (k_u < k); a full one closes by itself.
-                params, state, metrics = dp.step(params, state, *dp.put(tokens[:, m], labels[:, m]),
-                                                 jnp.asarray(m == k_u - 1), poison)
+                params, state, metrics = dp.step(
+                    params,
+                    state,
+                    *dp.put(tokens[:, m], labels[:, m]),
+                    jnp.asarray(m == k_u - 1),
+                    poison,
+                )
             records.append(_record(dp.first(metrics)))
             snaps.append(_snapshot(dp.first(params), scn))
     return Run("jaxaccum", records, snaps, time.perf_counter() - t0, {"strategy": dp.strategy})
@@ -277,7 +321,7 @@ def _clip(grads, max_norm):
     return clip_by_global_norm(grads, norm, max_norm)[0], norm
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _big_batch_fns(unit: str, dtype: str, opt: Optimizer):
     pdt, cdt = _dtypes(dtype)
     tx = adamw(opt, pdt)
@@ -292,8 +336,11 @@ def _big_batch_fns(unit: str, dtype: str, opt: Optimizer):
         (loss, count), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
         grads, norm = _clip(grads, opt.max_grad_norm)
         updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, {"loss": loss, "window_count": count,
-                                                             "grad_norm": norm}
+        return (
+            optax.apply_updates(params, updates),
+            state,
+            {"loss": loss, "window_count": count, "grad_norm": norm},
+        )
 
     return tx, step
 
@@ -319,8 +366,12 @@ def run_big_batch(scn: Scenario, weights: dict[str, np.ndarray]) -> Run:
         batches = global_batches(scn)
         rows = max(t.shape[0] for t, _ in batches)  # pad the short window's batch: one compilation
         for u, (tokens, labels) in enumerate(batches):
-            params, state, metrics = step(params, state, _pad_rows(tokens, rows, PAD_TOKEN),
-                                          _pad_rows(labels, rows, IGNORE_INDEX))
+            params, state, metrics = step(
+                params,
+                state,
+                _pad_rows(tokens, rows, PAD_TOKEN),
+                _pad_rows(labels, rows, IGNORE_INDEX),
+            )
             records.append(dict(_record(metrics), update_id=u + 1))
             snaps.append(_snapshot(params, scn))
     return Run("jax big batch", records, snaps, time.perf_counter() - t0)
@@ -329,7 +380,7 @@ def run_big_batch(scn: Scenario, weights: dict[str, np.ndarray]) -> Run:
 # ----------------------------------------------------------------------------- negative control
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multisteps_fns(world: int, k: int, unit: str, dtype: str, opt: Optimizer):
     pdt, cdt = _dtypes(dtype)
     inner = adamw(opt, pdt)
@@ -352,7 +403,9 @@ def _multisteps_fns(world: int, k: int, unit: str, dtype: str, opt: Optimizer):
         return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, AXIS), grads
 
     specs = jax.tree.map(lambda _: P(), jax.eval_shape(tx.init, _flat_shape(pdt)))
-    dp = _DataParallel(world, micro_step, specs, 0, ("replicated", "state", "replicated", "replicated"))
+    dp = _DataParallel(
+        world, micro_step, specs, 0, ("replicated", "state", "replicated", "replicated")
+    )
     return dp, tx
 
 
@@ -377,12 +430,22 @@ def run_optax_multisteps(scn: Scenario, weights: dict[str, np.ndarray]) -> Run:
                 if m < tokens.shape[1]:
                     tok, lab = tokens[:, m], labels[:, m]
                 else:
-                    tok, lab = np.full_like(tokens[:, 0], PAD_TOKEN), np.full_like(labels[:, 0], IGNORE_INDEX)
+                    tok, lab = (
+                        np.full_like(tokens[:, 0], PAD_TOKEN),
+                        np.full_like(labels[:, 0], IGNORE_INDEX),
+                    )
                 params, state, loss, grads = dp.step(params, state, *dp.put(tok, lab))
                 losses.append(float(dp.first(loss)))
                 grad_sum = grad_sum + dp.first(grads)
-            records.append({"loss": float(np.mean(losses)),
-                            "grad_norm": float(jnp.linalg.norm(grad_sum)) / scn.k,
-                            "window_count": float(units(labels, scn.unit).sum()), "update_id": u + 1})
+            records.append(
+                {
+                    "loss": float(np.mean(losses)),
+                    "grad_norm": float(jnp.linalg.norm(grad_sum)) / scn.k,
+                    "window_count": float(units(labels, scn.unit).sum()),
+                    "update_id": u + 1,
+                }
+            )
             snaps.append(_snapshot(dp.first(params), scn))
-    return Run("optax.MultiSteps", records, snaps, time.perf_counter() - t0, {"strategy": dp.strategy})
+    return Run(
+        "optax.MultiSteps", records, snaps, time.perf_counter() - t0, {"strategy": dp.strategy}
+    )

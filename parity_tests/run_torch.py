@@ -6,6 +6,7 @@ The scenario's numpy data go to ``torch_ref.run_scenarios`` as
 runs in this process, each world size R > 1 in R real DDP (gloo/nccl)
 processes that run all of that world size's runs in one spawn.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,14 @@ from parity_tests.scenarios import Scenario, layouts
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float64": "fp64"}
 
 
-def torch_scenario(scn: Scenario, weights: dict[str, np.ndarray], *, bug: str | None = None,
-                   big_batch: bool = False, count_comm: bool = False):
+def torch_scenario(
+    scn: Scenario,
+    weights: dict[str, np.ndarray],
+    *,
+    bug: str | None = None,
+    big_batch: bool = False,
+    count_comm: bool = False,
+):
     """The ``torch_ref.Scenario`` of ``scn`` (or of its big batch), optionally with a bug."""
     import torch_ref
 
@@ -28,22 +35,42 @@ def torch_scenario(scn: Scenario, weights: dict[str, np.ndarray], *, bug: str | 
         scn = scn.big_batch()
     windows = []
     for tok, lab in layouts(scn):
-        windows.append([[{"input_ids": tok[r, m].astype(np.int64), "labels": lab[r, m].astype(np.int64)}
-                         for m in range(tok.shape[1])] for r in range(scn.world)])
+        windows.append(
+            [
+                [
+                    {"input_ids": tok[r, m].astype(np.int64), "labels": lab[r, m].astype(np.int64)}
+                    for m in range(tok.shape[1])
+                ]
+                for r in range(scn.world)
+            ]
+        )
     o = scn.opt
     ls = scn.loss_scaling  # None for a big batch (Scenario.big_batch drops it)
-    scaling = {} if ls is None else dict(grad_scaler=True, init_scale=ls.init_scale,
-                                         growth_interval=ls.growth_interval,
-                                         inf_microbatches=frozenset(ls.inf_microbatches))
+    scaling = (
+        {}
+        if ls is None
+        else dict(
+            grad_scaler=True,
+            init_scale=ls.init_scale,
+            growth_interval=ls.growth_interval,
+            inf_microbatches=frozenset(ls.inf_microbatches),
+        )
+    )
     schedule = None
     if o.schedule == "warmup_cosine":
-        schedule = torch_ref.WarmupCosine(warmup_steps=o.warmup, decay_steps=o.decay_steps,
-                                          init_value=o.init_lr, end_value=o.end_lr)
+        schedule = torch_ref.WarmupCosine(
+            warmup_steps=o.warmup,
+            decay_steps=o.decay_steps,
+            init_value=o.init_lr,
+            end_value=o.end_lr,
+        )
     return torch_ref.Scenario(
         config=torch_ref.TinyGPTConfig(),
         weights={n: np.asarray(v) for n, v in weights.items()},
         windows=windows,
-        optimizer=torch_ref.AdamW(lr=o.lr, betas=(o.b1, o.b2), eps=o.eps, weight_decay=o.weight_decay),
+        optimizer=torch_ref.AdamW(
+            lr=o.lr, betas=(o.b1, o.b2), eps=o.eps, weight_decay=o.weight_decay
+        ),
         schedule=schedule,
         max_grad_norm=o.max_grad_norm,
         unit=scn.unit,
@@ -71,8 +98,13 @@ class TorchJob:
         return "torch_ref" if self.bug is None else f"torch_ref:{self.bug}"
 
 
-def run_torch_jobs(jobs: list[TorchJob], weights: dict[str, np.ndarray], *, device: str = "cpu",
-                   timeout_s: float = 600.0) -> list[Run]:
+def run_torch_jobs(
+    jobs: list[TorchJob],
+    weights: dict[str, np.ndarray],
+    *,
+    device: str = "cpu",
+    timeout_s: float = 600.0,
+) -> list[Run]:
     """Runs every job through ``torch_ref.run_scenarios`` (one spawn per world size).
 
     Returns one :class:`Run` per job, params as float64 torch-layout dicts with
@@ -81,8 +113,10 @@ def run_torch_jobs(jobs: list[TorchJob], weights: dict[str, np.ndarray], *, devi
     import torch_ref
 
     t0 = time.perf_counter()
-    scenarios = [torch_scenario(j.scn, weights, bug=j.bug, big_batch=j.big_batch, count_comm=j.count_comm)
-                 for j in jobs]
+    scenarios = [
+        torch_scenario(j.scn, weights, bug=j.bug, big_batch=j.big_batch, count_comm=j.count_comm)
+        for j in jobs
+    ]
     backend = None
     if device == "cuda":
         import torch
@@ -90,11 +124,15 @@ def run_torch_jobs(jobs: list[TorchJob], weights: dict[str, np.ndarray], *, devi
         # NCCL refuses two ranks on one GPU; gloo accepts CUDA tensors.
         if max(s.world_size for s in scenarios) > torch.cuda.device_count():
             backend = "gloo"
-    results = torch_ref.run_scenarios(scenarios, device=device, backend=backend, timeout_s=timeout_s)
+    results = torch_ref.run_scenarios(
+        scenarios, device=device, backend=backend, timeout_s=timeout_s
+    )
     per_job = (time.perf_counter() - t0) / max(1, len(jobs))
     init = {n: np.asarray(v, np.float64) for n, v in weights.items()}
     runs = []
     for job, res in zip(jobs, results):
         params = [init] + [{n: np.asarray(v, np.float64) for n, v in p.items()} for p in res.params]
-        runs.append(Run(job.label, [dict(r) for r in res.records], params, per_job, {"comm": res.comm}))
+        runs.append(
+            Run(job.label, [dict(r) for r in res.records], params, per_job, {"comm": res.comm})
+        )
     return runs

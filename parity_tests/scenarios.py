@@ -30,6 +30,7 @@ Example::
     >>> tok.shape[:2]                          # [R, k, mb, T]
     (2, 2)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,7 +65,9 @@ class Optimizer:
     schedule: str = "constant"  # or "warmup_cosine"
     warmup: int = 2
     decay_steps: int = 8
-    init_lr: float = 1e-4  # > 0: the first update must move the parameters (deviation is relative to it)
+    init_lr: float = (
+        1e-4  # > 0: the first update must move the parameters (deviation is relative to it)
+    )
     end_lr: float = 1e-5
     max_grad_norm: float | None = None
 
@@ -151,8 +154,10 @@ class Scenario:
         if self.world < 1 or self.k < 1:
             raise ValueError(f"world, k: expected ints >= 1, got world={self.world}, k={self.k}")
         if self.short_window is not None and not 0 <= self.short_window < self.n_updates:
-            raise ValueError(f"short_window: expected a window index in [0, {self.n_updates}), "
-                             f"got {self.short_window}")
+            raise ValueError(
+                f"short_window: expected a window index in [0, {self.n_updates}), "
+                f"got {self.short_window}"
+            )
         if not 1 <= self.k_short <= self.k:
             raise ValueError(f"k_short: expected 1 <= k_short <= k={self.k}, got {self.k_short}")
 
@@ -175,10 +180,12 @@ class Scenario:
 
     def rows_per_window(self) -> list[int]:
         """Samples in the global batch of each window (half of them in the short one)."""
-        return [self.samples_per_update // 2 if u == self.short_window else self.samples_per_update
-                for u in range(self.n_updates)]
+        return [
+            self.samples_per_update // 2 if u == self.short_window else self.samples_per_update
+            for u in range(self.n_updates)
+        ]
 
-    def big_batch(self) -> "Scenario":
+    def big_batch(self) -> Scenario:
         """The same data and optimizer on one device, one micro-batch per update
         (no loss scaling: nothing overflows in the big batch)."""
         return dataclasses.replace(self, world=1, k=1, k_short=1, loss_scaling=None)
@@ -203,7 +210,7 @@ def _sample(rng: np.random.Generator, text: bytes, n_valid: int, seq_len: int):
         resp_len = n_valid
     length = prompt_len + resp_len
     start = int(rng.integers(0, len(text) - length))
-    chunk = np.frombuffer(text[start:start + length], np.uint8).astype(np.int32)
+    chunk = np.frombuffer(text[start : start + length], np.uint8).astype(np.int32)
     tokens = np.full(seq_len, PAD_TOKEN, np.int32)
     labels = np.full(seq_len, IGNORE_INDEX, np.int32)
     tokens[:length] = chunk
@@ -285,13 +292,13 @@ def assignment(n_valid: np.ndarray, world: int, k: int) -> list[list[list[int]]]
         empty_slot = (world - 1, k - 1)
     start = 0
     for r in range(world):
-        mine = full[start:start + shares[r]]
+        mine = full[start : start + shares[r]]
         start += shares[r]
         slots = [m for m in range(k) if (r, m) != empty_slot]
         per_slot = _split(len(mine), [1.0] * len(slots))
         s = 0
         for m, n in zip(slots, per_slot):
-            plan[r][m] = mine[s:s + n]
+            plan[r][m] = mine[s : s + n]
             s += n
     plan[empty_slot[0]][empty_slot[1]] = empty
     return plan
@@ -313,8 +320,8 @@ def layout(tokens: np.ndarray, labels: np.ndarray, world: int, k: int, min_rows:
     for r in range(world):
         for m in range(k):
             rows = plan[r][m]
-            out_tok[r, m, :len(rows)] = tokens[rows]
-            out_lab[r, m, :len(rows)] = labels[rows]
+            out_tok[r, m, : len(rows)] = tokens[rows]
+            out_lab[r, m, : len(rows)] = labels[rows]
     return out_tok, out_lab
 
 
@@ -325,6 +332,11 @@ def layouts(scn: Scenario) -> list[tuple[np.ndarray, np.ndarray]]:
     compiles once per scenario; the extra rows are padding.
     """
     batches = global_batches(scn)
-    plans = [assignment(valid_tokens(lab), scn.world, k_u) for (_, lab), k_u in zip(batches, scn.window_ks())]
+    plans = [
+        assignment(valid_tokens(lab), scn.world, k_u)
+        for (_, lab), k_u in zip(batches, scn.window_ks())
+    ]
     mb = max(len(rows) for plan in plans for rank in plan for rows in rank)
-    return [layout(tok, lab, scn.world, k_u, mb) for (tok, lab), k_u in zip(batches, scn.window_ks())]
+    return [
+        layout(tok, lab, scn.world, k_u, mb) for (tok, lab), k_u in zip(batches, scn.window_ks())
+    ]

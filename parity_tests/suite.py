@@ -32,6 +32,7 @@ Matrices (:func:`scenarios`): CPU full = world {1, 2, 4} x k {1, 2, 4} x unit
 devices, the short window and (CPU) float64. Both add the loss-scaling scenario.
 Negative controls run in float32.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,7 +56,9 @@ SHORT_WINDOW = 2  # window 2 has half the samples and 1 micro-batch per rank (an
 
 def scenario(world: int, k: int, unit: str = "token", dtype: str = "float32") -> Scenario:
     """A scenario of the suite: default data and optimizer, the short window (``k_short = 1``)."""
-    return Scenario(world=world, k=k, unit=unit, dtype=dtype, opt=DEFAULT_OPT, short_window=SHORT_WINDOW)
+    return Scenario(
+        world=world, k=k, unit=unit, dtype=dtype, opt=DEFAULT_OPT, short_window=SHORT_WINDOW
+    )
 
 
 def control_scenario(dtype: str = "float32") -> Scenario:
@@ -78,10 +81,20 @@ def scenarios(device: str = "cpu", quick: bool = False) -> tuple[list[Scenario],
     """``(scenarios, control scenarios)`` of a run of the suite."""
     dtypes = ("float32", "float64") if device == "cpu" else ("float32", "bfloat16")
     if quick:
-        scns = [control_scenario(), scenario(4, 1, "sample"), scenario(2, 2, "token", dtypes[1]),
-                scaling_scenario()]
+        scns = [
+            control_scenario(),
+            scenario(4, 1, "sample"),
+            scenario(2, 2, "token", dtypes[1]),
+            scaling_scenario(),
+        ]
         return scns, [control_scenario()]
-    scns = [scenario(w, k, u, d) for d in dtypes for u in ("token", "sample") for w in (1, 2, 4) for k in (1, 2, 4)]
+    scns = [
+        scenario(w, k, u, d)
+        for d in dtypes
+        for u in ("token", "sample")
+        for w in (1, 2, 4)
+        for k in (1, 2, 4)
+    ]
     scns.append(scaling_scenario())
     # Controls in fp32 only: they are judged against the fp32 tolerance, and bf16 noise alone
     # (~5e-2 of the movement) would pass for a "flag" there.
@@ -142,8 +155,14 @@ class _Tasks:
             bar.close()
 
 
-def run_suite(device: str = "cpu", quick: bool = False, *, progress: bool = True,
-              scns: list[Scenario] | None = None, controls: list[Scenario] | None = None) -> SuiteResult:
+def run_suite(
+    device: str = "cpu",
+    quick: bool = False,
+    *,
+    progress: bool = True,
+    scns: list[Scenario] | None = None,
+    controls: list[Scenario] | None = None,
+) -> SuiteResult:
     """Runs the suite (or the given scenarios) and builds every :class:`Check`.
 
     Args:
@@ -153,7 +172,6 @@ def run_suite(device: str = "cpu", quick: bool = False, *, progress: bool = True
       scns, controls: override the matrix.
     """
     import torch_ref
-
     from parity_tests import run_jax, run_torch
 
     t0 = time.perf_counter()
@@ -184,6 +202,7 @@ def run_suite(device: str = "cpu", quick: bool = False, *, progress: bool = True
 
     tasks = _Tasks()
     for world, group in sorted(jobs.items()):
+
         def torch_group(group=group):
             done = run_torch.run_torch_jobs([j for _, j in group], weights, device=device)
             return {key: run for (key, _), run in zip(group, done)}
@@ -208,7 +227,9 @@ def run_suite(device: str = "cpu", quick: bool = False, *, progress: bool = True
 
     checks = build_checks(scns, controls, runs)
     ctl = controls[0] if controls else control_scenario()
-    return SuiteResult(device, quick, checks, runs, errors, time.perf_counter() - t0, ctl.name, ctl.big_batch())
+    return SuiteResult(
+        device, quick, checks, runs, errors, time.perf_counter() - t0, ctl.name, ctl.big_batch()
+    )
 
 
 def _torch_run(runs, scn: Scenario) -> Run | None:
@@ -226,8 +247,17 @@ def build_checks(scns, controls, runs: dict[str, Run]) -> list[Check]:
 
     def add(scn, a, b, kind="parity", comm=None):
         if a is not None and b is not None:
-            checks.append(compare.compare(scn.name, a, b, TOLERANCES[scn.dtype], kind, comm,
-                                          scaling=scn.loss_scaling is not None))
+            checks.append(
+                compare.compare(
+                    scn.name,
+                    a,
+                    b,
+                    TOLERANCES[scn.dtype],
+                    kind,
+                    comm,
+                    scaling=scn.loss_scaling is not None,
+                )
+            )
 
     for big in dict.fromkeys(s.big_batch() for s in scns + controls):
         add(big, runs.get(_key("jax big", big)), runs.get(_key("torch big", big)))
@@ -245,7 +275,11 @@ def build_checks(scns, controls, runs: dict[str, Run]) -> list[Check]:
     for ctl in controls:
         big = ctl.big_batch()
         tol = TOLERANCES["float32"]  # controls are judged against the fp32 tolerance
-        jbig, tbig, tr = runs.get(_key("jax big", big)), runs.get(_key("torch big", big)), _torch_run(runs, ctl)
+        jbig, tbig, tr = (
+            runs.get(_key("jax big", big)),
+            runs.get(_key("torch big", big)),
+            _torch_run(runs, ctl),
+        )
         ms = runs.get(_key("optax.MultiSteps", ctl))
         if ms is not None and jbig is not None:
             checks.append(compare.compare(ctl.name, ms, jbig, tol, "control"))

@@ -23,7 +23,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 if str(_ROOT) not in sys.path:  # parity_tests lives at the repository root
-  sys.path.insert(0, str(_ROOT))
+    sys.path.insert(0, str(_ROOT))
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -42,79 +42,100 @@ TOLERANCE = 1e-5
 
 
 class AccumTrainState(train_state.TrainState):
-  """A ``TrainState`` for ``jaxaccum.multi_steps``: ``step`` counts applied updates."""
+    """A ``TrainState`` for ``jaxaccum.multi_steps``: ``step`` counts applied updates."""
 
-  def apply_gradients(self, *, grads, count, loss_sum=None, end_window=False, **kwargs):
-    """One micro-batch: ``grads`` of the SUMMED loss, ``count`` its loss units."""
-    updates, opt_state = self.tx.update(
-        grads, self.opt_state, self.params, count=count, loss_sum=loss_sum, end_window=end_window)
-    applied = jaxaccum.has_updated(opt_state)  # False between boundaries and on skipped windows
-    return self.replace(step=self.step + applied.astype(jnp.int32),
-                        params=optax.apply_updates(self.params, updates),
-                        opt_state=opt_state, **kwargs)
+    def apply_gradients(self, *, grads, count, loss_sum=None, end_window=False, **kwargs):
+        """One micro-batch: ``grads`` of the SUMMED loss, ``count`` its loss units."""
+        updates, opt_state = self.tx.update(
+            grads,
+            self.opt_state,
+            self.params,
+            count=count,
+            loss_sum=loss_sum,
+            end_window=end_window,
+        )
+        applied = jaxaccum.has_updated(opt_state)  # False between boundaries and on skipped windows
+        return self.replace(
+            step=self.step + applied.astype(jnp.int32),
+            params=optax.apply_updates(self.params, updates),
+            opt_state=opt_state,
+            **kwargs,
+        )
 
 
 class BigramLM(nn.Module):
-  """Next byte from the current byte: embed, then a dense layer to 256 logits."""
+    """Next byte from the current byte: embed, then a dense layer to 256 logits."""
 
-  hidden: int = 32
+    hidden: int = 32
 
-  @nn.compact
-  def __call__(self, tokens):
-    return nn.Dense(256)(nn.Embed(256, self.hidden)(tokens))
+    @nn.compact
+    def __call__(self, tokens):
+        return nn.Dense(256)(nn.Embed(256, self.hidden)(tokens))
 
 
 def loss_sum_and_count(params, apply_fn, tokens, labels):
-  return jaxaccum.losses.causal_lm(apply_fn({"params": params}, tokens), labels)
+    return jaxaccum.losses.causal_lm(apply_fn({"params": params}, tokens), labels)
 
 
 @jax.jit
 def accum_step(state: AccumTrainState, tokens, labels):
-  (loss_sum, count), grads = jax.value_and_grad(loss_sum_and_count, has_aux=True)(
-      state.params, state.apply_fn, tokens, labels)
-  return state.apply_gradients(grads=grads, count=count, loss_sum=loss_sum)
+    (loss_sum, count), grads = jax.value_and_grad(loss_sum_and_count, has_aux=True)(
+        state.params, state.apply_fn, tokens, labels
+    )
+    return state.apply_gradients(grads=grads, count=count, loss_sum=loss_sum)
 
 
 @jax.jit
 def big_batch_step(state: train_state.TrainState, tokens, labels):
-  def mean_loss(params):
-    loss_sum, count = loss_sum_and_count(params, state.apply_fn, tokens, labels)
-    return loss_sum / count
+    def mean_loss(params):
+        loss_sum, count = loss_sum_and_count(params, state.apply_fn, tokens, labels)
+        return loss_sum / count
 
-  return state.apply_gradients(grads=jax.grad(mean_loss)(state.params))
+    return state.apply_gradients(grads=jax.grad(mean_loss)(state.params))
 
 
 def main() -> int:
-  model = BigramLM()
-  params = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 8), np.int32))["params"]
-  # create() runs tx.init; under jit it is one compiled call instead of many small ones
-  accum = jax.jit(lambda p: AccumTrainState.create(
-      apply_fn=model.apply, params=p,
-      tx=jaxaccum.multi_steps(optax.adam(1e-2), every_k_schedule=K)))(params)
-  big = jax.jit(lambda p: train_state.TrainState.create(
-      apply_fn=model.apply, params=p, tx=optax.adam(1e-2)))(params)
+    model = BigramLM()
+    params = jax.jit(model.init)(jax.random.key(0), np.zeros((1, 8), np.int32))["params"]
+    # create() runs tx.init; under jit it is one compiled call instead of many small ones
+    accum = jax.jit(
+        lambda p: AccumTrainState.create(
+            apply_fn=model.apply,
+            params=p,
+            tx=jaxaccum.multi_steps(optax.adam(1e-2), every_k_schedule=K),
+        )
+    )(params)
+    big = jax.jit(
+        lambda p: train_state.TrainState.create(apply_fn=model.apply, params=p, tx=optax.adam(1e-2))
+    )(params)
 
-  scenario = Scenario(world=1, k=K, n_updates=UPDATES, samples_per_update=16, seq_len=64)
-  print(f"Linen bigram LM, AccumTrainState with jaxaccum.multi_steps(adam, k={K}) vs a plain"
-        " TrainState on the big batch")
-  for u, (tokens, labels) in enumerate(global_batches(scenario)):
-    big = big_batch_step(big, tokens, labels)
-    tok, lab = layout(tokens, labels, world=1, k=K)
-    for m in range(K):
-      accum = accum_step(accum, tok[0, m], lab[0, m])
-    metrics = jaxaccum.window_metrics(accum.opt_state)
-    gap = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-              for a, b in zip(jax.tree.leaves(accum.params), jax.tree.leaves(big.params)))
-    print(f"update {int(accum.step)} (micro_step {int(metrics['micro_step'])}) | window_count"
-          f" {float(metrics['window_count']):.0f} | loss {float(metrics['loss']):.4f} |"
-          f" max |param - big batch| {gap:.1e}")
-    assert gap <= TOLERANCE, gap
-  # step counts updates (the plain TrainState's step counts its 5 calls, one per update too)
-  assert int(accum.step) == UPDATES == int(big.step)
-  assert int(jaxaccum.window_metrics(accum.opt_state)["micro_step"]) == UPDATES * K
-  print(f"AccumTrainState.step = {int(accum.step)} updates after {UPDATES * K} micro-batches")
-  return 0
+    scenario = Scenario(world=1, k=K, n_updates=UPDATES, samples_per_update=16, seq_len=64)
+    print(
+        f"Linen bigram LM, AccumTrainState with jaxaccum.multi_steps(adam, k={K}) vs a plain"
+        " TrainState on the big batch"
+    )
+    for u, (tokens, labels) in enumerate(global_batches(scenario)):
+        big = big_batch_step(big, tokens, labels)
+        tok, lab = layout(tokens, labels, world=1, k=K)
+        for m in range(K):
+            accum = accum_step(accum, tok[0, m], lab[0, m])
+        metrics = jaxaccum.window_metrics(accum.opt_state)
+        gap = max(
+            float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+            for a, b in zip(jax.tree.leaves(accum.params), jax.tree.leaves(big.params))
+        )
+        print(
+            f"update {int(accum.step)} (micro_step {int(metrics['micro_step'])}) | window_count"
+            f" {float(metrics['window_count']):.0f} | loss {float(metrics['loss']):.4f} |"
+            f" max |param - big batch| {gap:.1e}"
+        )
+        assert gap <= TOLERANCE, gap
+    # step counts updates (the plain TrainState's step counts its 5 calls, one per update too)
+    assert int(accum.step) == UPDATES == int(big.step)
+    assert int(jaxaccum.window_metrics(accum.opt_state)["micro_step"]) == UPDATES * K
+    print(f"AccumTrainState.step = {int(accum.step)} updates after {UPDATES * K} micro-batches")
+    return 0
 
 
 if __name__ == "__main__":
-  raise SystemExit(main())
+    raise SystemExit(main())
