@@ -4,7 +4,7 @@ Run ``python -m benchmarks --out docs/benchmarks.md`` (``make bench``); see
 ``benchmarks/__main__.py`` for the options. One module per section:
 
 1. ``micro_step``   per-micro-step and per-window cost vs ``optax.MultiSteps``,
-                    donated or not, ``while`` vs ``cond`` boundary, HLO copies
+                    donated or not, HLO copies
 2. ``scan``         ``accumulate_gradients`` over k vs one big-batch step
 3. ``comm``         all-reduces per window (pmap, shard_map, torch DDP)
 4. ``state``        optimizer-state bytes

@@ -68,19 +68,11 @@ def main(argv: list[str] | None = None) -> None:
     runners = {
         1: lambda: micro_step.run(
             [
-                # the GPT's step is dominated by its forward/backward; the while-vs-cond
-                # comparison is made on the MLP, where the optimizer state dominates
-                micro_step.Case(
-                    gpt, "adamw", labels=("jaxaccum[while]", "optax.MultiSteps"), rows=8
-                ),
+                # the GPT's step is dominated by its forward/backward; on the MLP
+                # the optimizer state dominates
+                micro_step.Case(gpt, "adamw", rows=8),
                 micro_step.Case(mlp, "adamw", rows=16),
-                micro_step.Case(
-                    mlp,
-                    "lamb",
-                    labels=("jaxaccum[while]", "optax.MultiSteps"),
-                    rows=16,
-                    donation=(True,),
-                ),
+                micro_step.Case(mlp, "lamb", rows=16, donation=(True,)),
             ],
             k=4,
             rounds=rounds,

@@ -7,8 +7,8 @@
   forward/backward is cheap next to its optimizer, which is where the
   accumulation wrapper's own cost shows.
 
-Every ``loss_fn(params, batch)`` returns ``(loss_sum, count)`` as jaxaccum
-wants; the optax.MultiSteps baselines differentiate ``loss_sum / count``.
+Every ``loss_fn(params, batch)`` returns ``(loss_sum, num_items)`` as jaxaccum
+wants; the optax.MultiSteps baselines differentiate ``loss_sum / num_items``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Model:
     Attributes:
       name: for the tables.
       params: the parameter pytree (jax arrays).
-      loss_fn: ``(params, batch) -> (loss_sum, count)``.
+      loss_fn: ``(params, batch) -> (loss_sum, num_items)``.
       batch: ``(rows, seed) -> batch`` (numpy pytree; leading axis = rows).
       tokens_per_row: loss positions per row (sequence length for the GPT).
     """
@@ -124,12 +124,12 @@ def mlp(width: int = 1000, layers: int = 10, seed: int = 0) -> Model:
 
 
 def mean_loss(loss_fn: Callable) -> Callable:
-    """``loss_sum / count``: what a plain (or optax.MultiSteps) step differentiates."""
+    """``loss_sum / num_items``: what a plain (or optax.MultiSteps) step differentiates."""
 
     @functools.wraps(loss_fn)
     def mean(params, batch):
-        loss_sum, count = loss_fn(params, batch)
-        return loss_sum / jnp.maximum(count, 1.0)
+        loss_sum, num_items = loss_fn(params, batch)
+        return loss_sum / jnp.maximum(num_items, 1.0)
 
     return mean
 

@@ -54,8 +54,8 @@ def _programs(model: Model, k: int, devices: list, rows: int) -> dict[str, tuple
     theirs = optax.MultiSteps(inner(), k)
 
     def ours_step(p, s, b):
-        (loss_sum, count), g = value_and_grad(p, b)
-        u, s = ours.update(g, s, p, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), g = value_and_grad(p, b)
+        u, s = ours.update(g, s, p, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(p, u), s
 
     def theirs_step(p, s, b):
@@ -82,8 +82,8 @@ def _programs(model: Model, k: int, devices: list, rows: int) -> dict[str, tuple
 
     def ours_sm(p, s, b):
         local = jax.lax.pcast(p, AXIS, to="varying")  # per-device gradients, no autodiff psum
-        (loss_sum, count), g = value_and_grad(local, b)
-        u, s = ours.update(g, s, p, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), g = value_and_grad(local, b)
+        u, s = ours.update(g, s, p, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(p, u), s
 
     def theirs_sm(p, s, b):
@@ -114,8 +114,8 @@ def _programs(model: Model, k: int, devices: list, rows: int) -> dict[str, tuple
     s = jax.device_put(plain.init(params), NamedSharding(mesh, P()))
 
     def plain_step(p, s, b):
-        (loss_sum, count), g = value_and_grad(p, b)
-        u, s = plain.update(g, s, p, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), g = value_and_grad(p, b)
+        u, s = plain.update(g, s, p, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(p, u), s
 
     out["jaxaccum, jit on sharded arrays (no axis name)"] = (

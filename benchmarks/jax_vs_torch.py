@@ -53,8 +53,8 @@ def run(
     value_and_grad = jax.value_and_grad(model.loss_fn, has_aux=True)
 
     def step(params, state, batch):
-        (loss_sum, count), grads = value_and_grad(params, batch)
-        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grads = value_and_grad(params, batch)
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(params, updates), state
 
     live = {"params": copy_tree(model.params)}

@@ -7,9 +7,7 @@ window, with the step's ``params`` and optimizer state donated or not.
 ``optax.MultiSteps`` runs its inner optimizer on every micro-step and keeps
 the result only at the boundary; ``jaxaccum.multi_steps`` runs it only at the
 boundary, inside a ``lax.while_loop`` that makes one trip at a boundary and
-zero trips in between (``_multi_steps._BOUNDARY_IMPL = "while"``), or inside a
-``lax.cond`` (``"cond"``, kept for this comparison). The compiled programs tell
-why the two differ: the ``copy`` instructions XLA inserts, counted here for
+zero trips in between. The compiled programs tell why the two differ: the ``copy`` instructions XLA inserts, counted here for
 arrays shaped like the parameters, on the path a micro-step takes between
 boundaries and on the boundary's path.
 """
@@ -28,7 +26,6 @@ import jaxaccum
 from benchmarks import _common
 from benchmarks._common import Section, copy_placement, ms, on_paths, table, tree_bytes
 from benchmarks._models import Model, copy_tree, mean_loss
-from jaxaccum import _multi_steps
 
 INNERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adamw": lambda: optax.adamw(1e-4, weight_decay=0.01),
@@ -41,7 +38,7 @@ INNERS: dict[str, Callable[[], optax.GradientTransformation]] = {
 class Variant:
     """One compiled train step, its live buffers and its per-call timings."""
 
-    label: str  # "jaxaccum[while]", "jaxaccum[cond]" or "optax.MultiSteps"
+    label: str  # "jaxaccum" or "optax.MultiSteps"
     donate: bool
     inner: str
     step: Any  # the compiled executable
@@ -79,21 +76,15 @@ def build(model: Model, label: str, inner: str, donate: bool, k: int, rows: int)
         value_and_grad = jax.value_and_grad(model.loss_fn, has_aux=True)
 
         def step(params, state, batch):
-            (loss_sum, count), grads = value_and_grad(params, batch)
-            updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+            (loss_sum, num_items), grads = value_and_grad(params, batch)
+            updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
             return optax.apply_updates(params, updates), state
 
     params = copy_tree(model.params)
     state = tx.init(params)
     batches = [jax.device_put(model.batch(rows, seed)) for seed in range(k)]
-    impl = {"jaxaccum[while]": "while", "jaxaccum[cond]": "cond"}.get(label, "while")
-    before = _multi_steps._BOUNDARY_IMPL
-    _multi_steps._BOUNDARY_IMPL = impl  # read when the update is traced
-    try:
-        jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
-        compiled = jitted.lower(params, state, batches[0]).compile()
-    finally:
-        _multi_steps._BOUNDARY_IMPL = before
+    jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    compiled = jitted.lower(params, state, batches[0]).compile()
     return Variant(label, donate, inner, compiled, params, state, batches, compiled.as_text())
 
 
@@ -118,7 +109,7 @@ class Case:
 
     model: Model
     inner: str = "adamw"
-    labels: tuple[str, ...] = ("jaxaccum[while]", "jaxaccum[cond]", "optax.MultiSteps")
+    labels: tuple[str, ...] = ("jaxaccum", "optax.MultiSteps")
     rows: int = 8
     donation: tuple[bool, ...] = (True, False)
 
@@ -233,7 +224,7 @@ def _section(results: list[dict], k: int) -> Section:
     ]
     summary = []
     for r in results:
-        if r["label"] != "jaxaccum[while]":
+        if r["label"] != "jaxaccum":
             continue
         ratio = r["ratio_window_cpu"]
         summary.append(
@@ -253,6 +244,15 @@ def _section(results: list[dict], k: int) -> Section:
     )
 
 
+# Per-window copies (MLP 10 x 1000x1000, AdamW, k = 4; units of P) of jaxaccum 0.1, measured by
+# this benchmark on 2026-11-30 (docs/benchmarks.md of that day), before the boundary's inner
+# update got its own loop and before the `lax.cond` variant was removed.
+HISTORY_0_1 = {
+    "jaxaccum 0.1 (one while loop, select over the inner state)": ("7.6 P", "15.6 P", 0.81, 1.55),
+    "jaxaccum 0.1, lax.cond boundary (removed)": ("20.6 P", "12.6 P", 1.48, 1.22),
+}
+
+
 def _analysis(results: list[dict]) -> str:
     """The copy analysis, with this run's counts (largest model, AdamW)."""
     model = max((r for r in results if r["inner"] == "adamw"), key=lambda r: r["param_bytes"])[
@@ -263,24 +263,37 @@ def _analysis(results: list[dict]) -> str:
         for r in results
         if r["model"] == model and r["inner"] == "adamw"
     }
-    cell = lambda r, where: (
-        f"{r[where + '_copies']} ({r[where + '_bytes'] / r['param_bytes']:.1f} P)"
-    )
+    in_p = lambda r, where: r[where + "_bytes"] / r["param_bytes"]
+    cell = lambda r, where: f"{r[where + '_copies']} ({in_p(r, where):.1f} P)"
     window = lambda r: f"{r['window_bytes'] / r['param_bytes']:.1f} P"
     rows = [
         [label]
         + [
             x
             for d in (True, False)
-            if (label, d) in pick
             for x in (
                 cell(pick[(label, d)], "between"),
                 cell(pick[(label, d)], "boundary"),
                 window(pick[(label, d)]),
             )
         ]
-        for label in ("jaxaccum[while]", "jaxaccum[cond]", "optax.MultiSteps")
+        for label in ("jaxaccum", "optax.MultiSteps")
         if (label, True) in pick and (label, False) in pick
+    ]
+    if ("jaxaccum", True) not in pick or ("jaxaccum", False) not in pick:
+        return ""
+    ours, ours_nd = pick[("jaxaccum", True)], pick[("jaxaccum", False)]
+    history = [
+        [label, donated, not_donated, f"{r_d:.2f}", f"{r_nd:.2f}"]
+        for label, (donated, not_donated, r_d, r_nd) in HISTORY_0_1.items()
+    ] + [
+        [
+            "jaxaccum, this run",
+            window(ours),
+            window(ours_nd),
+            f"{ours['ratio_window_cpu']:.2f}",
+            f"{ours_nd['ratio_window_cpu']:.2f}",
+        ]
     ]
     return "\n".join(
         [
@@ -301,24 +314,37 @@ def _analysis(results: list[dict]) -> str:
                 rows,
             ),
             "",
-            "- *while, donated.* The loop carry aliases the donated state buffers: between boundaries the "
-            "loop makes zero trips and the inner state and the window sums are updated in place, never "
-            "copied. The only parameter-shaped copies on a micro-step's path are the zero `updates` that "
-            "enter the loop carry (XLA materializes one zero array and copies it per leaf, about 1 P). "
-            "The boundary's copies sit in the loop body and run once per window.",
-            "- *cond, donated.* A conditional returns fresh buffers: every call, whichever branch runs, XLA "
-            "copies the conditional's results (the AdamW moments, 2 P) into the donated output buffers, "
-            "plus the zero updates in the pass-through branch. That is the 'cond over a large state costs "
-            "full copies of it' effect, and why the boundary is a zero-or-one-trip `while_loop`.",
-            "- *optax.MultiSteps, donated.* It runs AdamW on every call; XLA copies each donated input "
-            "that fused loops read while writing into the buffer aliased with it (parameters, moments, "
-            "accumulator), on every call.",
-            "- *not donated.* Every output must land in a buffer distinct from the inputs, so a state "
-            "leaf passed through unchanged is a copy (XLA copies even `jit(lambda x: x)`'s output). "
-            "Between boundaries jaxaccum therefore copies its inner state (2 P for AdamW) and the loop "
-            "carry; optax.MultiSteps writes the same output buffers by recomputing AdamW every call "
-            "(no `copy` instruction, the same bytes written, plus the optimizer arithmetic). This is "
-            "inherent to one program that returns the inner state without donation: donate the train "
-            "step's params and optimizer state (`donate_argnums`).",
+            f"- *jaxaccum, donated.* The loop carry aliases the donated state buffers: between "
+            f"boundaries the loop makes zero trips and the inner state and the window sums are "
+            f"updated in place ({cell(ours, 'between')} on a micro-step's path). At the boundary "
+            f"({cell(ours, 'boundary')}) XLA copies the window sum it reads before writing the "
+            "fresh zeros of the next window into the same buffer, and materializes those zeros; "
+            "the inner update runs in a nested loop that makes one trip only for an applied "
+            "window, so it needs no select over the inner state, and no copy of it.",
+            "- *optax.MultiSteps, donated.* It runs AdamW on every call; XLA copies each donated "
+            "input that fused loops read while writing into the buffer aliased with it "
+            f"(parameters, moments, accumulator): {cell(pick[('optax.MultiSteps', True)], 'between')}"
+            " on every call.",
+            f"- *not donated.* Every output must land in a buffer distinct from the inputs, so a "
+            f"state leaf passed through unchanged is a copy: jaxaccum copies its inner state on "
+            f"every call ({cell(ours_nd, 'between')} for AdamW's two moments), which is inherent "
+            "to a program that returns the inner state without donation. optax.MultiSteps writes "
+            "the same output buffers by recomputing AdamW every call (no `copy` instruction, the "
+            "same bytes written, plus the optimizer arithmetic). Donate the train step's params "
+            "and optimizer state (`donate_argnums`).",
+            "",
+            "Per window, against jaxaccum 0.1 (copies in P; per-window CPU-time ratio against "
+            "optax.MultiSteps; the 0.1 rows were measured by this benchmark on 2026-11-30):",
+            "",
+            table(
+                [
+                    "variant",
+                    "copies, donated",
+                    "copies, not donated",
+                    "ratio, donated",
+                    "ratio, not donated",
+                ],  # fmt: skip
+                history,
+            ),
         ]
     )

@@ -2,7 +2,7 @@
 
 Both hold the inner optimizer's state plus one parameter-sized float32
 accumulator (jaxaccum: the gradient SUM; optax: the running MEAN); the rest is
-scalars (jaxaccum: counters, the window's loss sum and count, the last
+scalars (jaxaccum: counters, the window's loss sum and items, the last
 window's record; optax: two counters and the skip state). Computed with
 ``jax.eval_shape``: nothing is allocated.
 """

@@ -71,9 +71,9 @@ def jaxaccum_multi_steps(params, masks):
     tx = jaxaccum.multi_steps(optax.sgd(1.0), every_k_schedule=2)
     state = tx.init(params)
     for mask in masks:
-        (loss_sum, count), grads = jax.value_and_grad(sum_and_count, has_aux=True)(params, mask)
-        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
-    return -updates, jaxaccum.window_metrics(state)["loss"]
+        (loss_sum, num_items), grads = jax.value_and_grad(sum_and_count, has_aux=True)(params, mask)
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
+    return -updates, jaxaccum.window_metrics(state).loss
 
 
 def main() -> int:

@@ -71,8 +71,8 @@ def jaxaccum_micro_step(k: int):
         loss_fn = lambda w: jaxaccum.losses.policy_gradient(
             w * token_losses, MASK, loss_type="dapo"
         )
-        (loss_sum, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
-        update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
+        update, state = tx.update(grad, state, w, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(w, update), state
 
     return jax.jit(tx.init)(jnp.float32(1.0)), micro_step
@@ -84,7 +84,7 @@ def with_jaxaccum(token_losses, k):
     w = jnp.float32(1.0)
     for m in range(k):
         w, state = micro_step(w, state, token_losses[m])
-    return float(jaxaccum.window_metrics(state)["loss"]), 1.0 - float(w)
+    return float(jaxaccum.window_metrics(state).loss), 1.0 - float(w)
 
 
 def main() -> int:

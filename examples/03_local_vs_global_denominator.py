@@ -72,8 +72,8 @@ def window_weights(params, masks):
     state = tx.init(params)
     grad_fn = jaxaccum.value_and_grad(sum_and_count, axis_name=AXIS)  # per-device gradients
     for m in range(K):
-        (loss_sum, count), grads = grad_fn(params, masks[m])
-        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grads = grad_fn(params, masks[m])
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
     return local, forgot, -updates  # SGD(1): minus the update is the window gradient
 
 

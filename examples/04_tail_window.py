@@ -39,8 +39,8 @@ def epoch(seed: int = 0) -> np.ndarray:
 @jax.jit
 def micro_step(w, state, a, end_window):
     loss_fn = lambda w: (jnp.sum(w * a), jnp.float32(a.size))  # (loss_sum, valid tokens)
-    (loss_sum, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
-    update, state = TX.update(grad, state, w, count=count, loss_sum=loss_sum, end_window=end_window)
+    (loss_sum, num_items), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
+    update, state = TX.update(grad, state, w, num_items=num_items, loss_sum=loss_sum, end_window=end_window)
     return w + update, state, -update  # with lr 1: -update is the window gradient
 
 
@@ -66,12 +66,12 @@ def main() -> int:
         fixed = float(sum(np.mean(a[m]) / K for m in window))  # each micro-batch mean / k, added
         ours = float(grad)
         print(
-            f"{i + 1:>6} {len(window):>13} {int(metrics['window_count']):>6} | {big:>9.4f} {ours:>9.4f}"
+            f"{i + 1:>6} {len(window):>13} {int(metrics.window_items):>6} | {big:>9.4f} {ours:>9.4f}"
             f" | {fixed:>9.4f} {fixed / big:>6.2f}"
         )
         # float32 means of 8-32 numbers near 1: 1e-6 relative
         assert abs(ours - big) <= 1e-6 * big
-        assert int(metrics["update_id"]) == i + 1 and int(metrics["window_count"]) == TOKENS * len(
+        assert int(metrics.update_id) == i + 1 and int(metrics.window_items) == TOKENS * len(
             window
         )
         assert abs(fixed / big - len(window) / K) <= 1e-6  # the tail: 2 / 4
@@ -80,10 +80,10 @@ def main() -> int:
     w, state = jnp.float32(1.0), jax.jit(TX.init)(jnp.float32(1.0))
     for m in range(MICRO_BATCHES):
         w, state, _ = micro_step(w, state, a[m], jnp.asarray(False))
-    pending, updates = int(state.window_step), int(state.update_id)
+    pending, updates = int(state.window_step), int(state.last_window.update_id)
     print(
         f"\nwithout end_window: {updates} updates after the epoch, {pending} micro-batches"
-        f" ({int(state.count)} tokens) wait in the open window"
+        f" ({int(state.num_items)} tokens) wait in the open window"
     )
     b = epoch(seed=1)  # the next epoch
     for m in range(K - pending):
@@ -91,7 +91,7 @@ def main() -> int:
     mixed = np.concatenate([a[8:], b[: K - pending]])
     print(
         f"  and close with the next epoch's first {K - pending}: window of"
-        f" {int(jaxaccum.window_metrics(state)['window_count'])} tokens from two epochs,"
+        f" {int(jaxaccum.window_metrics(state).window_items)} tokens from two epochs,"
         f" gradient {float(grad):.4f} = their mean {float(np.mean(mixed)):.4f}"
     )
     assert (updates, pending) == (2, 2) and abs(

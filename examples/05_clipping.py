@@ -37,8 +37,8 @@ def run(tx):
     @jax.jit
     def micro_step(w, state, x):
         loss_fn = lambda w: (jnp.sum(x @ w), jnp.float32(x.shape[0]))  # (loss_sum, tokens)
-        (loss_sum, count), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
-        update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
+        update, state = tx.update(grad, state, w, num_items=num_items, loss_sum=loss_sum)
         return update, state
 
     w = np.zeros(2, np.float32)
@@ -73,8 +73,8 @@ def main() -> int:
         print(f"  {name:52} ({g[0]:.3f}, {g[1]:.3f})  {np.linalg.norm(g):>6.3f} {angle(g):>6.2f}")
     print("clip coefficient (PyTorch's clip_grad_norm_): min(1, max_grad_norm / (norm + 1e-6))")
     print(
-        f"\nwindow record: grad_norm {float(metrics['grad_norm']):.3f} before clipping,"
-        f" grad_norm_clipped {float(metrics['grad_norm_clipped']):.3f}"
+        f"\nwindow record: grad_norm {float(metrics.grad_norm):.3f} before clipping,"
+        f" grad_norm_clipped {float(metrics.grad_norm_clipped):.3f}"
     )
     error = angle(per_mb) - angle(big)
     print(
@@ -86,7 +86,7 @@ def main() -> int:
     # float32 arithmetic on numbers of order 1: 1e-5.
     assert abs(np.linalg.norm(window) - MAX_NORM) <= 1e-5
     assert abs(angle(window) - angle(big)) <= 1e-4  # same direction as the big batch (degrees)
-    assert abs(float(metrics["grad_norm"]) - np.linalg.norm(big)) <= 1e-5
+    assert abs(float(metrics.grad_norm) - np.linalg.norm(big)) <= 1e-5
     assert abs(angle(per_mb) - 45.0) <= 1e-4  # (1, 0) + (0, 1), over 4 tokens
     assert abs(np.linalg.norm(per_mb) - math.sqrt(2) / 4) <= 1e-5
     return 0

@@ -35,7 +35,7 @@ import optax
 import jaxaccum
 
 LR = 0.1
-SKIP_REASONS = {0: "applied", 1: "empty", 2: "nonfinite"}  # window_metrics(...)["skip_reason"]
+
 GRADS = [math.nan, 1.0, 2.0, 3.0, 4.0, 5.0]  # micro-batch gradients; windows of k = 2
 
 
@@ -46,8 +46,8 @@ def jaxaccum_fns(k: int):
 
     @jax.jit
     def micro_step(w, state, g, n):
-        (loss_sum, count), grad = jax.value_and_grad(lambda w: (n * w * g, n), has_aux=True)(w)
-        update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grad = jax.value_and_grad(lambda w: (n * w * g, n), has_aux=True)(w)
+        update, state = tx.update(grad, state, w, num_items=num_items, loss_sum=loss_sum)
         return w + update, state
 
     return jax.jit(tx.init), micro_step
@@ -86,9 +86,9 @@ def part_nan() -> None:
     w, records, state = run_jaxaccum(GRADS)
     for i, r in enumerate(records):
         print(
-            f"   jaxaccum window {i + 1}: skipped={bool(r['skipped'])!s:5}"
-            f" reason={SKIP_REASONS[int(r['skip_reason'])]:9} update_id={int(r['update_id'])}"
-            f" grad_norm={float(r['grad_norm']):.2f}"
+            f"   jaxaccum window {i + 1}: skipped={bool(r.skipped)!s:5}"
+            f" reason={jaxaccum.SkipReason(int(r.skip_reason)).name.lower():9} update_id={int(r.update_id)}"
+            f" grad_norm={float(r.grad_norm):.2f}"
         )
     plain, plain_updates = run_optax(GRADS)
     per_mb, per_mb_updates = run_optax(GRADS, optax.skip_not_finite)
@@ -99,7 +99,7 @@ def part_nan() -> None:
         f" (windows [1, 2] and [3, 4]: the boundaries moved)"
     )
     # float32 arithmetic on a few numbers of order 1: 1e-6
-    assert abs(w - expected) <= 1e-6 and int(state.update_id) == 2 and int(state.skip_count) == 1
+    assert abs(w - expected) <= 1e-6 and int(state.last_window.update_id) == 2 and int(state.last_window.skip_count) == 1
     assert math.isnan(plain) and plain_updates == 3  # the NaN survives every later window
     assert abs(per_mb - (1.0 - LR * (1.5 + 3.5))) <= 1e-6 and per_mb_updates == 2
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))  # the state keeps no NaN
@@ -112,17 +112,18 @@ def part_empty() -> None:
         naive = float(np.float32(0.0) / np.float32(0.0))  # what sum / count gives
     r = records[0]
     print(
-        f"\n2. a window with 0 valid tokens: window_count={float(r['window_count']):.0f},"
-        f" skipped={bool(r['skipped'])}, reason={SKIP_REASONS[int(r['skip_reason'])]},"
-        f" loss={float(r['loss']):.1f} (a plain sum / count gives 0/0 = {naive})"
+        f"\n2. a window with 0 valid tokens: window_items={float(r.window_items):.0f},"
+        f" skipped={bool(r.skipped)}, reason={jaxaccum.SkipReason(int(r.skip_reason)).name.lower()},"
+        f" loss={float(r.loss):.1f} (a plain sum / count gives 0/0 = {naive})"
     )
     print(
-        f"   the next window applies normally: loss {float(records[1]['loss']):.2f}"
-        f" over {float(records[1]['window_count']):.0f} tokens, w = {w:.2f}"
+        f"   the next window applies normally: loss {float(records[1].loss):.2f}"
+        f" over {float(records[1].window_items):.0f} tokens, w = {w:.2f}"
     )
-    assert bool(r["skipped"]) and int(r["skip_reason"]) == 1 and float(r["loss"]) == 0.0
+    assert bool(r.skipped) and int(r.skip_reason) == jaxaccum.SkipReason.EMPTY
+    assert np.isnan(float(r.loss))  # the record's "no value", never a perfect-looking 0.0
     # (1 * 2 + 3 * 6) / 4 = 5 at w = 1, then w = 1 - 0.1 * 5; float32: 1e-6
-    assert abs(float(records[1]["loss"]) - 5.0) <= 1e-6 and abs(w - 0.5) <= 1e-6
+    assert abs(float(records[1].loss) - 5.0) <= 1e-6 and abs(w - 0.5) <= 1e-6
 
 
 def part_loss_scale() -> None:
@@ -139,8 +140,8 @@ def part_loss_scale() -> None:
 
     @jax.jit
     def micro_step(w, state):
-        (loss_sum, count), grad = grad_fn(w, loss_scale=jaxaccum.loss_scale(state))
-        update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grad = grad_fn(w, loss_scale=jaxaccum.loss_scale(state))
+        update, state = tx.update(grad, state, w, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(w, update), state, grad
 
     print(
@@ -158,15 +159,15 @@ def part_loss_scale() -> None:
             w_before = float(w)
             w, state, grad = micro_step(w, state)
         r = jax.device_get(jaxaccum.window_metrics(state))
-        applied = not bool(r["skipped"])
-        history.append((scale, applied, float(r["loss_scale"])))
+        applied = not bool(r.skipped)
+        history.append((scale, applied, float(r.loss_scale)))
         print(
             f"   {window + 1:>6} {scale:>7.0f} {float(grad):>21} {applied!s:>7}"
-            f" {SKIP_REASONS[int(r['skip_reason'])]:>9} {float(r['grad_norm']):>11.4f}"
-            f" {float(w):>8.4f} {float(r['loss_scale']):>10.0f}"
+            f" {jaxaccum.SkipReason(int(r.skip_reason)).name.lower():>9} {float(r.grad_norm):>11.4f}"
+            f" {float(w):>8.4f} {float(r.loss_scale):>10.0f}"
         )
         if applied:  # unscaled once: the float32 big-batch gradient (w - y), to fp16 rounding
-            assert abs(float(r["grad_norm"]) - (w_before - 0.25)) <= 1e-3  # fp16: 11-bit mantissa
+            assert abs(float(r.grad_norm) - (w_before - 0.25)) <= 1e-3  # fp16: 11-bit mantissa
     # 0.75 * 2 tokens * 2^16 = 98304 > 65504 (fp16 max): inf; at 2^15: 49152 fits
     assert history == [
         (65536.0, False, 32768.0),
@@ -174,7 +175,7 @@ def part_loss_scale() -> None:
         (32768.0, True, 65536.0),
         (65536.0, False, 32768.0),
     ]
-    assert int(state.update_id) == 2 and int(state.skip_count) == 2
+    assert int(state.last_window.update_id) == 2 and int(state.last_window.skip_count) == 2
     fp16_max = float(np.finfo(np.float16).max)
     print(
         f"   fp16 max {fp16_max:.0f}: 0.75 x 2 tokens x 65536 = {1.5 * 65536:.0f} overflows,"

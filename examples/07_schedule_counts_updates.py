@@ -36,8 +36,8 @@ def compiled(tx):
 
     @jax.jit
     def micro_step(w, state, g):
-        (loss_sum, count), grad = jax.value_and_grad(lambda w: (w * g, 1.0), has_aux=True)(w)
-        update, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grad = jax.value_and_grad(lambda w: (w * g, 1.0), has_aux=True)(w)
+        update, state = tx.update(grad, state, w, num_items=num_items, loss_sum=loss_sum)
         return w + update, state
 
     return jax.jit(tx.init), micro_step

@@ -2,7 +2,7 @@
 
 GRPO-family trainers differ in how they average per-token losses (TRL's
 ``loss_type``). ``jaxaccum.losses.policy_gradient`` writes each as
-``(loss_sum, count)``; jaxaccum adds sums and counts over micro-batches and
+``(loss_sum, num_items)``; jaxaccum adds sums and counts over micro-batches and
 devices and divides once. A loss is a well-defined big-batch objective when
 that window ratio does not depend on how the window is cut:
 

@@ -1,28 +1,25 @@
 """jaxaccum: gradient accumulation that is exactly the big-batch update.
 
-Accumulate sums (gradient of the summed loss, summed loss, count of loss
-units), add them across devices once per window, divide once.
+Accumulate sums (the gradient of the summed loss, the summed loss and the
+number of items it adds up), reduce them across devices once per window,
+divide once. The math is in ``docs/math.md`` and ``jaxaccum/_normalize.py``.
 """
 
 from jaxaccum import losses
 from jaxaccum._accumulate import accumulate_gradients
 from jaxaccum._grad import value_and_grad
-from jaxaccum._multi_steps import (
-    DynamicLossScale,
-    MultiStepsState,
-    WindowRecord,
-    has_updated,
-    loss_scale,
-    multi_steps,
-    partition_specs,
-    window_metrics,
-)
+from jaxaccum._inspect import has_updated, loss_scale, window_metrics
+from jaxaccum._loss_scale import DynamicLossScale
+from jaxaccum._multi_steps import multi_steps
 from jaxaccum._normalize import WindowTotals, normalize_window
+from jaxaccum._sharding import partition_specs
+from jaxaccum._state import MultiStepsState, SkipReason, WindowMetrics
 
 __all__ = [
     "DynamicLossScale",
     "MultiStepsState",
-    "WindowRecord",
+    "SkipReason",
+    "WindowMetrics",
     "WindowTotals",
     "accumulate_gradients",
     "has_updated",
@@ -35,4 +32,4 @@ __all__ = [
     "window_metrics",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -23,25 +23,25 @@ def accumulate_gradients(
 
     ``lax.scan`` runs over the leading axis of ``microbatches``; each iteration
     adds the gradient of the micro-batch's SUMMED loss, the summed loss and its
-    count to three running sums (in ``accumulator_dtype``). After the scan the
-    sums go through the same :func:`~jaxaccum._normalize.normalize_window` as
+    ``num_items`` to three running sums (in ``accumulator_dtype``). After the
+    scan the sums go through the same :func:`~jaxaccum.normalize_window` as
     :func:`jaxaccum.multi_steps`: one ``psum`` over ``axis_name`` (when given),
     one division. Only one micro-batch's activations are alive at a time.
 
     Args:
-      loss_fn: ``loss_fn(params, microbatch) -> (loss_sum, count)``: the summed
-        loss (differentiated) and its count of loss units (not differentiated),
-        e.g. built on :func:`jaxaccum.losses.causal_lm`.
+      loss_fn: ``loss_fn(params, microbatch) -> (loss_sum, num_items)``: the
+        summed loss (differentiated) and the number of items it adds up (not
+        differentiated), e.g. :func:`jaxaccum.losses.causal_lm`.
       params: the parameters.
       microbatches: pytree whose leaves have a leading micro-batch axis ``k``.
       axis_name: the ``pmap``/``shard_map`` axis to add the sums over, or
         ``None`` (one device, or ``jit`` over sharded global arrays).
-      accumulator_dtype: dtype of the gradient sums.
+      accumulator_dtype: dtype of the three sums.
 
     Returns:
       ``(grads, metrics)``: the window gradient in the parameters' dtypes, and
-      ``{'loss', 'window_count', 'grad_norm'}`` (global, replicated). An empty
-      window (global count 0) gives zero gradients; check ``window_count``.
+      ``{'loss', 'window_items', 'grad_norm'}`` (global, replicated). An empty
+      window (global ``num_items`` 0) gives zero gradients and a NaN loss.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxaccum
@@ -59,29 +59,27 @@ def accumulate_gradients(
         local_params = jax.lax.pcast(params, axis_name, to="varying")
 
     def add_microbatch(sums, microbatch):
-        grad_sum, loss_sum, count = sums
-        (mb_loss, mb_count), mb_grads = value_and_grad(local_params, microbatch)
+        grad_sum, loss_sum, num_items = sums
+        (mb_loss, mb_items), mb_grads = value_and_grad(local_params, microbatch)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, mb_grads)
-        return (
-            grad_sum,
-            loss_sum + mb_loss.astype(jnp.float32),
-            count + jnp.asarray(mb_count, jnp.float32),
-        ), None
+        as_sum = lambda x: jnp.asarray(x).astype(accumulator_dtype)
+        return (grad_sum, loss_sum + as_sum(mb_loss), num_items + as_sum(mb_items)), None
 
+    zero = jnp.zeros((), accumulator_dtype)
     zeros = (
         jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), accumulator_dtype), params),
-        jnp.zeros((), jnp.float32),
-        jnp.zeros((), jnp.float32),
+        zero,
+        zero,
     )
     if axis_name is not None:
         # The sums vary across devices: declare it, so the scan carry type is stable.
         zeros = jax.tree.map(lambda x: jax.lax.pcast(x, axis_name, to="varying"), zeros)
-    (grad_sum, loss_sum, count), _ = jax.lax.scan(add_microbatch, zeros, microbatches)
-    totals = normalize_window(grad_sum, loss_sum, count, axis_name=axis_name)
+    (grad_sum, loss_sum, num_items), _ = jax.lax.scan(add_microbatch, zeros, microbatches)
+    totals = normalize_window(grad_sum, loss_sum, num_items, axis_name=axis_name)
     grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), totals.grads, params)
     metrics = {
         "loss": totals.loss,
-        "window_count": totals.window_count,
+        "window_items": totals.window_items,
         "grad_norm": totals.grad_norm,
     }
     return grads, metrics

@@ -72,8 +72,8 @@ def micro_batches():
 
 
 def poisoned_loss(params, batch):
-    loss_sum, count = tiny_lm_loss(params, batch)
-    return loss_sum * batch["poison"], count
+    loss_sum, num_items = tiny_lm_loss(params, batch)
+    return loss_sum * batch["poison"], num_items
 
 
 @functools.cache
@@ -84,8 +84,8 @@ def make_step():
 
     @jax.jit
     def step(params, state, batch):
-        (loss_sum, count), grads = grad_fn(params, batch, loss_scale=jaxaccum.loss_scale(state))
-        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grads = grad_fn(params, batch, loss_scale=jaxaccum.loss_scale(state))
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(params, updates), state
 
     return step
@@ -144,8 +144,8 @@ def test_the_run_crosses_a_growth_a_skip_and_a_backoff(uninterrupted):
     metrics = jax.device_get(jaxaccum.window_metrics(uninterrupted["opt_state"]))
     # windows 1, 2 applied -> scale 2^4 -> 2^5; window 3 poisoned -> skipped,
     # 2^5 -> 2^4; window 4 applied. Exact: powers of two and integer counters.
-    assert int(metrics["update_id"]) == 3 and int(metrics["skip_count"]) == 1
-    assert float(metrics["loss_scale"]) == 2.0**4
+    assert int(metrics.update_id) == 3 and int(metrics.skip_count) == 1
+    assert float(metrics.loss_scale) == 2.0**4
     # the parameters moved (the run is not trivially equal to anything)
     moved = max(
         float(np.max(np.abs(a - b)))
@@ -157,13 +157,13 @@ def test_the_run_crosses_a_growth_a_skip_and_a_backoff(uninterrupted):
 def test_state_round_trips_through_orbax_mid_window(tmp_path):
     train_state = run(initial(), 0, 5)  # window 2 holds 2 of its 3 micro-batches
     state = train_state["opt_state"]
-    assert int(state.window_step) == 2 and float(state.count) > 0
+    assert int(state.window_step) == 2 and float(state.num_items) > 0
     assert float(jnp.max(jnp.abs(state.grad_sum["proj"]))) > 0
     save(tmp_path / "ckpt", train_state)
     restored = restore(tmp_path / "ckpt")
     assert jax.tree.structure(restored) == jax.tree.structure(train_state)
     assert type(restored["opt_state"]) is jaxaccum.MultiStepsState
-    assert type(restored["opt_state"].last_window) is jaxaccum.WindowRecord
+    assert type(restored["opt_state"].last_window) is jaxaccum.WindowMetrics
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(train_state), strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got, want)  # a checkpoint stores bits, exactly

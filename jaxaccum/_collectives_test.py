@@ -35,8 +35,8 @@ def test_multi_steps_all_reduces_only_in_the_boundary_branch():
     @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, batch_spec), out_specs=(P(), specs))
     def step(params, state, batch):
         local = jax.lax.pcast(params, "data", to="varying")
-        (loss_sum, count), grads = jax.value_and_grad(tiny_lm_loss, has_aux=True)(local, batch)
-        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grads = jax.value_and_grad(tiny_lm_loss, has_aux=True)(local, batch)
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(params, updates), state
 
     placement = all_reduce_placement(step.lower(params, state, batch).compile().as_text())
@@ -79,7 +79,9 @@ def test_in_step_scan_has_as_many_all_reduces_as_one_big_batch_step():
     def naive_scan(params, microbatches):
         # differentiating w.r.t. replicated params: JAX psums every micro-batch
         def body(carry, mb):
-            (loss_sum, count), grads = jax.value_and_grad(tiny_lm_loss, has_aux=True)(params, mb)
+            (loss_sum, num_items), grads = jax.value_and_grad(tiny_lm_loss, has_aux=True)(
+                params, mb
+            )
             return jax.tree.map(jnp.add, carry, grads), None
 
         grads, _ = jax.lax.scan(body, jax.tree.map(jnp.zeros_like, params), microbatches)

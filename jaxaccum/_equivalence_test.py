@@ -48,8 +48,8 @@ def adamw() -> optax.GradientTransformation:
 @jax.jit
 def big_batch_step(params, state, batch):
     def mean_loss(p):
-        loss_sum, count = tiny_lm_loss(p, batch)
-        return loss_sum / count
+        loss_sum, num_items = tiny_lm_loss(p, batch)
+        return loss_sum / num_items
 
     updates, state = adamw().update(jax.grad(mean_loss)(params), state, params)
     return optax.apply_updates(params, updates), state
@@ -87,8 +87,8 @@ def run_shard_map(windows: dict, layout: Layout) -> tuple[dict, list]:
     )
     def step(params, state, batch):
         batch = jax.tree.map(lambda x: x[0], batch)  # this device's micro-batch
-        (loss_sum, count), grads = local_grads(params, batch, "data")
-        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grads = local_grads(params, batch, "data")
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(params, updates), state, jaxaccum.window_metrics(state)
 
     records = []
@@ -111,8 +111,8 @@ def run_pmap(windows: dict, layout: Layout) -> dict:
 
     @partial(jax.pmap, axis_name="data", devices=devices)
     def step(params, state, batch):
-        (loss_sum, count), grads = jax.value_and_grad(tiny_lm_loss, has_aux=True)(params, batch)
-        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grads = jax.value_and_grad(tiny_lm_loss, has_aux=True)(params, batch)
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(params, updates), state
 
     for w in range(NUM_UPDATES):
@@ -131,8 +131,8 @@ def run_sharded_jit(windows: dict, layout: Layout) -> dict:
 
     @jax.jit
     def step(params, state, batch):
-        (loss_sum, count), grads = jax.value_and_grad(tiny_lm_loss, has_aux=True)(params, batch)
-        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grads = jax.value_and_grad(tiny_lm_loss, has_aux=True)(params, batch)
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(params, updates), state
 
     sharding = NamedSharding(mesh, P("data"))
@@ -187,13 +187,11 @@ def test_shard_map_equals_big_batch(layout):
 
     # the records count the global window: exact integers in float32
     expected_counts = per_device.sum(-1)
-    np.testing.assert_array_equal([r["window_count"] for r in records], expected_counts)
-    np.testing.assert_array_equal([r["update_id"] for r in records], np.arange(1, NUM_UPDATES + 1))
+    np.testing.assert_array_equal([r.window_items for r in records], expected_counts)
+    np.testing.assert_array_equal([r.update_id for r in records], np.arange(1, NUM_UPDATES + 1))
+    np.testing.assert_array_equal([r.cumulative_items for r in records], np.cumsum(expected_counts))
     np.testing.assert_array_equal(
-        [r["cumulative_count"] for r in records], np.cumsum(expected_counts)
-    )
-    np.testing.assert_array_equal(
-        [r["micro_step"] for r in records], layout.k * np.arange(1, NUM_UPDATES + 1)
+        [r.micro_step for r in records], layout.k * np.arange(1, NUM_UPDATES + 1)
     )
 
 
@@ -220,8 +218,8 @@ def test_mean_of_means_is_caught_by_the_tolerance():
     @jax.jit
     def step(params, state, batch):
         def mean_loss(p):
-            loss_sum, count = tiny_lm_loss(p, batch)
-            return loss_sum / jnp.maximum(count, 1.0)
+            loss_sum, num_items = tiny_lm_loss(p, batch)
+            return loss_sum / jnp.maximum(num_items, 1.0)
 
         updates, state = tx.update(jax.grad(mean_loss)(params), state, params)
         return optax.apply_updates(params, updates), state

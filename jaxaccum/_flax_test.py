@@ -33,8 +33,10 @@ def test_nnx_optimizer_with_multi_steps_equals_the_big_batch():
 
     @nnx.jit
     def micro_step(model, optimizer, x, y, mask):
-        (loss_sum, count), grads = nnx.value_and_grad(summed_loss, has_aux=True)(model, x, y, mask)
-        optimizer.update(model, grads, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grads = nnx.value_and_grad(summed_loss, has_aux=True)(
+            model, x, y, mask
+        )
+        optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
 
     for half in (slice(0, 3), slice(3, 6)):
         micro_step(model, optimizer, x[half], y[half], mask[half])
@@ -47,6 +49,6 @@ def test_nnx_optimizer_with_multi_steps_equals_the_big_batch():
     # fp32, one adam step: both see the same gradient up to summation order
     np.testing.assert_allclose(model.layer.kernel[...], reference.layer.kernel[...], atol=1e-6)
     np.testing.assert_allclose(model.layer.bias[...], reference.layer.bias[...], atol=1e-6)
-    assert int(jaxaccum.window_metrics(optimizer.opt_state)["update_id"]) == 1
+    assert int(jaxaccum.window_metrics(optimizer.opt_state).update_id) == 1
     # nnx.Optimizer.step counts micro-steps: the update id is the one to use
     assert int(optimizer.step[...]) == 2

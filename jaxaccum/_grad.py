@@ -14,10 +14,10 @@ def value_and_grad(
     *,
     axis_name: str | tuple[str, ...] | None = None,
 ) -> Callable[..., tuple[tuple[jax.Array, jax.Array], Any]]:
-    """Wraps ``loss_fn(params, *args) -> (loss_sum, count)`` for accumulation.
+    """Wraps ``loss_fn(params, *args) -> (loss_sum, num_items)`` for accumulation.
 
     The returned function ``f(params, *args, loss_scale=1.0)`` gives
-    ``((loss_sum, count), grads)`` where ``grads`` is the gradient of
+    ``((loss_sum, num_items), grads)`` where ``grads`` is the gradient of
     ``loss_scale * loss_sum`` and ``loss_sum`` is unscaled: exactly what
     ``multi_steps(...).update`` takes. With ``axis_name`` (inside ``shard_map``)
     the parameters are first marked as varying per device, so each device keeps
@@ -27,21 +27,21 @@ def value_and_grad(
     Example:
       >>> import jax.numpy as jnp
       >>> f = value_and_grad(lambda w, n: (n * w ** 2, n))
-      >>> (loss_sum, count), grad = f(jnp.array(3.0), 2.0, loss_scale=4.0)
-      >>> float(loss_sum), float(count), float(grad)  # grad of 4 * 2 * w^2 at 3
+      >>> (loss_sum, num_items), grad = f(jnp.array(3.0), 2.0, loss_scale=4.0)
+      >>> float(loss_sum), float(num_items), float(grad)  # grad of 4 * 2 * w^2 at 3
       (18.0, 2.0, 48.0)
     """
 
     def scaled_loss(params, *args, loss_scale):
-        loss_sum, count = loss_fn(params, *args)
-        return loss_sum * jnp.asarray(loss_scale, loss_sum.dtype), (loss_sum, count)
+        loss_sum, num_items = loss_fn(params, *args)
+        return loss_sum * jnp.asarray(loss_scale, loss_sum.dtype), (loss_sum, num_items)
 
     grad_fn = jax.grad(scaled_loss, has_aux=True)
 
     def wrapped(params, *args, loss_scale: Any = 1.0):
         if axis_name is not None:
             params = jax.lax.pcast(params, axis_name, to="varying")
-        grads, (loss_sum, count) = grad_fn(params, *args, loss_scale=loss_scale)
-        return (loss_sum, count), grads
+        grads, (loss_sum, num_items) = grad_fn(params, *args, loss_scale=loss_scale)
+        return (loss_sum, num_items), grads
 
     return wrapped

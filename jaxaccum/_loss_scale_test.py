@@ -22,8 +22,8 @@ def run(tx, targets, params=None):
 
     @jax.jit
     def step(params, state, y, n):
-        (loss_sum, count), grads = grad_fn(params, y, n, loss_scale=jaxaccum.loss_scale(state))
-        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grads = grad_fn(params, y, n, loss_scale=jaxaccum.loss_scale(state))
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(params, updates), state
 
     trace = []
@@ -70,7 +70,7 @@ def test_overflow_window_is_skipped_and_the_scale_backs_off():
     assert [applied for _, applied in trace] == [False, False, False, True]
     assert [scale for scale, _ in trace] == [2.0**16, 2.0**16, 2.0**15, 2.0**15]
     metrics = jaxaccum.window_metrics(state)
-    assert int(metrics["update_id"]) == 1 and int(metrics["skip_count"]) == 1
+    assert int(metrics.update_id) == 1 and int(metrics.skip_count) == 1
     # the applied window is the first adam step, as if the overflow never happened
     fresh, _, _ = run(jaxaccum.multi_steps(optax.adam(0.1), 2), targets[2:])
     np.testing.assert_array_equal(params["w"], fresh["w"])  # same ops, same bits
@@ -83,7 +83,7 @@ def test_empty_window_leaves_the_scale_alone():
     tx = jaxaccum.multi_steps(optax.sgd(0.1), 1, loss_scaling=scaling)
     _, state, _ = run(tx, [(1.0, 0.0)])
     assert float(jaxaccum.loss_scale(state)) == 8.0
-    assert int(jaxaccum.window_metrics(state)["skip_reason"]) == 1
+    assert int(jaxaccum.window_metrics(state).skip_reason) == 1
 
 
 def test_fp16_gradients_with_scaling_match_fp32_within_fp16_rounding():

@@ -134,15 +134,15 @@ def test_two_processes_give_the_single_process_updates(tmp_path, reference):
     for key in (
         "update_id",
         "micro_step",
-        "window_count",
-        "cumulative_count",
+        "window_items",
+        "cumulative_items",
         "skipped",
         "skip_count",
     ):
         np.testing.assert_array_equal(
             got[f"metrics/{key}"], reference[f"metrics/{key}"], err_msg=key
         )
-    np.testing.assert_array_equal(got["metrics/window_count"], per_device.sum(-1))
+    np.testing.assert_array_equal(got["metrics/window_items"], per_device.sum(-1))
     np.testing.assert_array_equal(got["metrics/update_id"], [1, 2, 3])
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(

@@ -71,8 +71,8 @@ def train(mesh, local_windows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     )
     def step(params, state, batch):
         batch = jax.tree.map(lambda x: x[0], batch)  # this device's micro-batch
-        (loss_sum, count), grads = grad_fn(params, batch)
-        updates, state = tx.update(grads, state, params, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grads = grad_fn(params, batch)
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(params, updates), state, jaxaccum.window_metrics(state)
 
     per_device = NamedSharding(mesh, P(AXIS))
@@ -86,7 +86,7 @@ def train(mesh, local_windows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
                 local_windows,
             )
             params, state, metrics = step(params, state, batch)
-        records.append(jax.tree.map(local, metrics))
+        records.append(jax.tree.map(local, metrics)._asdict())
     out = {f"params/{name}": local(value) for name, value in params.items()}
     for key in records[0]:
         out[f"metrics/{key}"] = np.stack([r[key] for r in records])

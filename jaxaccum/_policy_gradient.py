@@ -1,4 +1,4 @@
-"""RL policy-gradient losses as ``(loss_sum, count)``: TRL's four loss types.
+"""RL policy-gradient losses as ``(loss_sum, num_items)``: TRL's four loss types.
 
 GRPO-family trainers compute a per-token loss ``l_it`` (sequence ``i``, token
 ``t``; e.g. ``-min(ratio * A, clip(ratio) * A) + beta * KL``) and a completion
@@ -11,13 +11,13 @@ one micro-batch::
     dr_grpo  sum_it m_it l_it / (B * max_completion_length)  then / grad_accum
     dapo     sum_it m_it l_it / (N_window / world_size)      N_window: tokens of the window, all ranks
 
-Written as a sum and a count, the big-batch loss of a window is
-``sum(loss_sum) / sum(count)`` over all micro-batches of all devices, which is
+Written as a sum and its items, the big-batch loss of a window is
+``sum(loss_sum) / sum(num_items)`` over all micro-batches of all devices, which is
 what :func:`jaxaccum.multi_steps` computes. Each type below returns the sum and
-count whose window ratio is that type's big-batch objective:
+items whose window ratio is that type's big-batch objective:
 
 ==========  ==============================  ============================  ==================
-loss_type   loss_sum (per micro-batch)      count (per micro-batch)       unit
+loss_type   loss_sum (per micro-batch)      num_items (per micro-batch)   unit
 ==========  ==============================  ============================  ==================
 grpo        sum_i of sequence token means   sequences                     a sequence
 bnpo        local token mean                1                             a micro-batch (!)
@@ -52,7 +52,7 @@ def policy_gradient(
     loss_type: str,
     max_completion_length: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """A GRPO-family loss as ``(loss_sum, count)`` for :func:`jaxaccum.multi_steps`.
+    """A GRPO-family loss as ``(loss_sum, num_items)`` for :func:`jaxaccum.multi_steps`.
 
     With ``m`` the mask, ``l`` the per-token loss, ``n_i = sum_t m_it`` the valid
     tokens of sequence ``i``, ``S`` the sequences (rows with ``n_i > 0``) and
@@ -76,8 +76,8 @@ def policy_gradient(
         for ``"dr_grpo"`` (and must be ``>= T``), ignored otherwise.
 
     Returns:
-      ``(loss_sum, count)``, float32 scalars of this micro-batch: differentiate
-      ``loss_sum``, pass ``count`` (and ``loss_sum``) to ``multi_steps.update``.
+      ``(loss_sum, num_items)``, float32 scalars of this micro-batch: differentiate
+      ``loss_sum``, pass ``num_items`` (and ``loss_sum``) to ``multi_steps.update``.
 
     Raises:
       ValueError: unknown ``loss_type``; ``dr_grpo`` without a positive

@@ -1,4 +1,4 @@
-"""policy_gradient: TRL's four RL loss types as (loss_sum, count), hand-computed."""
+"""policy_gradient: TRL's four RL loss types as (loss_sum, num_items), hand-computed."""
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +25,10 @@ MASK = jnp.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]])
     ],
 )
 def test_hand_computed_values(loss_type, expected):
-    loss_sum, count = policy_gradient(LOSS, MASK, loss_type=loss_type, max_completion_length=4)
+    loss_sum, num_items = policy_gradient(LOSS, MASK, loss_type=loss_type, max_completion_length=4)
     # small integers and halves: exact in float32
-    assert (float(loss_sum), float(count)) == expected
-    assert loss_sum.dtype == count.dtype == jnp.float32
+    assert (float(loss_sum), float(num_items)) == expected
+    assert loss_sum.dtype == num_items.dtype == jnp.float32
 
 
 def test_gradient_weights_and_masked_inf():
@@ -75,11 +75,11 @@ def test_through_multi_steps(loss_type):
     state = tx.init(w)
     for l, m in mbs:
         fn = lambda w: policy_gradient(w * l, m, loss_type=loss_type, max_completion_length=3)
-        (loss_sum, count), grad = jax.value_and_grad(fn, has_aux=True)(w)
-        updates, state = tx.update(grad, state, w, count=count, loss_sum=loss_sum)
+        (loss_sum, num_items), grad = jax.value_and_grad(fn, has_aux=True)(w)
+        updates, state = tx.update(grad, state, w, num_items=num_items, loss_sum=loss_sum)
     expected = _window(loss_type, mbs)
     # one float32 division of sums of a few small numbers: 1e-6 relative
-    assert float(jaxaccum.window_metrics(state)["loss"]) == pytest.approx(expected, rel=1e-6)
+    assert float(jaxaccum.window_metrics(state).loss) == pytest.approx(expected, rel=1e-6)
     assert float(-updates) == pytest.approx(expected, rel=1e-6)  # sgd(1): update = -gradient
 
 
@@ -87,8 +87,8 @@ def test_jit_and_batch_dims():
     # [groups, sequences, T]: the last axis is the completion, the others are rows
     loss = jnp.stack([LOSS, LOSS])
     mask = jnp.stack([MASK, MASK])
-    loss_sum, count = jax.jit(lambda l, m: policy_gradient(l, m, loss_type="grpo"))(loss, mask)
-    assert (float(loss_sum), float(count)) == (8.0, 4.0)  # twice the 2-D case, exact
+    loss_sum, num_items = jax.jit(lambda l, m: policy_gradient(l, m, loss_type="grpo"))(loss, mask)
+    assert (float(loss_sum), float(num_items)) == (8.0, 4.0)  # twice the 2-D case, exact
 
 
 def test_errors():

@@ -8,12 +8,18 @@ Shapes never change between examples: every device sees all 8 samples of the
 window in every micro-step, with the labels of the samples not assigned to it
 masked. The optimizer has ``every_k_schedule=4``; a window of k < 4
 micro-batches is closed by a traced ``end_window=True`` (a short window is
-normalized by its real count), so both ways of closing a window are exercised
+normalized by its real items), so both ways of closing a window are exercised
 and ONE compilation serves every example.
+
+The same examples run twice: under ``vmap`` with an axis name (every leaf
+carries a device axis), and under ``shard_map`` over 4 CPU devices with vma
+checking on, where the per-device gradient comes from
+``jaxaccum.value_and_grad(..., axis_name=...)`` and the replicated state is
+checked shard by shard.
 
 Properties, after every micro-step: the accumulated update equals the
 big-batch update (a window is skipped iff it holds no token or the poison),
-every device holds the same replicated state, counts are never negative, and
+every device holds the same replicated state, item sums are never negative, and
 the state holds no NaN/inf outside the open window's sums (which may hold the
 poison until the boundary drops them).
 """
@@ -24,10 +30,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jaxaccum
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from jaxaccum._testing import IGNORE_INDEX, tiny_lm_loss, tiny_lm_params
 
 DEVICES = 4
@@ -53,25 +63,43 @@ ran = []
 K_MAX = 4
 
 
+def poisoned_loss(params, batch, poison):
+    loss_sum, num_items = tiny_lm_loss(params, batch)
+    return loss_sum * poison, num_items  # poison is 1, nan or inf
+
+
 @functools.cache
-def accumulated_step():
-    """(init, step): jit(vmap over the devices, with an axis name), compiled once."""
+def accumulated_step(mode: str):
+    """(init, step), compiled once: jit(vmap) with an axis name, or jit(shard_map)."""
     tx = jaxaccum.multi_steps(optax.sgd(LEARNING_RATE), K_MAX, axis_name="data")
+    grad_fn = jaxaccum.value_and_grad(
+        poisoned_loss, axis_name="data" if mode == "shard_map" else None
+    )
 
     def step(params, state, batch, poison, end_window):
-        def loss_fn(p):
-            loss_sum, count = tiny_lm_loss(p, batch)
-            return loss_sum * poison, count  # poison is 1, nan or inf
-
-        (loss_sum, count), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        if mode == "shard_map":  # this device's row of the batch and the poison
+            batch, poison = jax.tree.map(lambda x: x[0], (batch, poison))
+        (loss_sum, num_items), grads = grad_fn(params, batch, poison)
         updates, state = tx.update(
-            grads, state, params, count=count, loss_sum=loss_sum, end_window=end_window
+            grads, state, params, num_items=num_items, loss_sum=loss_sum, end_window=end_window
         )
         return optax.apply_updates(params, updates), state
 
-    init = jax.jit(jax.vmap(tx.init))
-    step = jax.vmap(step, in_axes=(0, 0, 0, 0, None), axis_name="data")
-    return init, jax.jit(step)
+    if mode == "vmap":
+        init = jax.jit(jax.vmap(tx.init))
+        return init, jax.jit(jax.vmap(step, in_axes=(0, 0, 0, 0, None), axis_name="data"))
+    mesh = jax.make_mesh((DEVICES,), ("data",))
+    specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, tiny_lm_params(vocab=VOCAB)), "data")
+    init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+    rows = P("data")
+    step = jax.shard_map(
+        step, mesh=mesh, in_specs=(P(), specs, rows, rows, P()), out_specs=(P(), specs)
+    )
+    put_rows = lambda x: jax.device_put(x, NamedSharding(mesh, rows))
+    jitted = jax.jit(step)
+    return init, lambda params, state, batch, poison, end: jitted(
+        params, state, put_rows(batch), put_rows(poison), end
+    )
 
 
 @jax.jit
@@ -79,12 +107,12 @@ def big_batch_step(params, batch):
     """The reference: one sgd step on the window's token-mean loss."""
 
     def mean_loss(p):
-        loss_sum, count = tiny_lm_loss(p, batch)
-        return loss_sum / jnp.maximum(count, 1.0), (loss_sum, count)
+        loss_sum, num_items = tiny_lm_loss(p, batch)
+        return loss_sum / jnp.maximum(num_items, 1.0), (loss_sum, num_items)
 
-    grads, (loss_sum, count) = jax.grad(mean_loss, has_aux=True)(params)
+    grads, (loss_sum, num_items) = jax.grad(mean_loss, has_aux=True)(params)
     new = jax.tree.map(lambda p, g: p - LEARNING_RATE * g, params, grads)
-    return new, loss_sum / jnp.maximum(count, 1.0), count
+    return new, loss_sum / jnp.maximum(num_items, 1.0), num_items
 
 
 @st.composite
@@ -124,25 +152,36 @@ def window_data(lengths, seed):
     return tokens, labels.astype(np.int32)
 
 
-def check_state(state, window_open_poisoned):
-    # counts: never negative (exact: sums of non-negative integers)
-    assert np.all(np.asarray(state.count) >= 0)
-    assert np.all(np.asarray(state.cumulative_count) >= 0)
-    assert np.all(np.asarray(state.last_window.window_count) >= 0)
-    # every device holds the same replicated leaves (bitwise: same ops, same psum)
-    for name in ("update_id", "cumulative_count", "skip_count", "inner_state", "last_window"):
+def same_on_every_device(leaf, mode) -> None:
+    """A replicated leaf holds one value on every device (bitwise: same ops, same psum)."""
+    if mode == "vmap":  # the device axis is the leading one
+        rows = list(np.asarray(leaf))
+    else:  # one global array; its copies live on the devices
+        rows = [np.asarray(shard.data) for shard in leaf.addressable_shards]
+        assert len(rows) == DEVICES
+    for row in rows[1:]:
+        np.testing.assert_array_equal(row, rows[0])
+
+
+def check_state(state, window_open_poisoned, mode):
+    # items: never negative (exact: sums of non-negative integers)
+    assert np.all(np.asarray(state.num_items) >= 0)
+    assert np.all(np.asarray(state.last_window.cumulative_items) >= 0)
+    assert np.all(np.asarray(state.last_window.window_items) >= 0)
+    for name in ("good_windows", "loss_known", "inner_state", "last_window"):
         for leaf in jax.tree.leaves(getattr(state, name)):
-            leaf = np.asarray(leaf)
-            np.testing.assert_array_equal(leaf, np.broadcast_to(leaf[:1], leaf.shape), err_msg=name)
-    # no NaN/inf, except in the open window's sums when it holds the poison
-    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+            same_on_every_device(leaf, mode)
+    # no NaN/inf, except in the open window's sums when it holds the poison, and
+    # in the record, which says what the last window was (a poisoned one's norm)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state._replace(last_window=()))[0]:
         name = path[0].name
         if window_open_poisoned and name in ("grad_sum", "loss_sum"):
             continue
         assert np.all(np.isfinite(np.asarray(leaf))), jax.tree_util.keystr(path)
 
 
-def test_any_split_gives_the_big_batch_update(record_property):
+@pytest.mark.parametrize("mode", ["vmap", "shard_map"])
+def test_any_split_gives_the_big_batch_update(mode, record_property):
     @settings(
         max_examples=MAX_EXAMPLES,
         derandomize=True,
@@ -155,9 +194,12 @@ def test_any_split_gives_the_big_batch_update(record_property):
         ks, lengths, slots, poison, seed = scenario
         reasons, deviation = [], 0.0
         tokens, labels = window_data(lengths, seed)
-        init, step = accumulated_step()
+        init, step = accumulated_step(mode)
         params0 = tiny_lm_params(vocab=VOCAB)
-        params = jax.tree.map(lambda x: jnp.broadcast_to(x, (DEVICES,) + x.shape), params0)
+        if mode == "vmap":
+            params = jax.tree.map(lambda x: jnp.broadcast_to(x, (DEVICES,) + x.shape), params0)
+        else:
+            params = params0
         state = init(params)
         reference = params0
         for w, k in enumerate(ks):
@@ -174,20 +216,22 @@ def test_any_split_gives_the_big_batch_update(record_property):
                     factor[poison[1]] = poison[3]
                 closed = m == k - 1
                 params, state = step(params, state, batch, factor, np.bool_(closed))
-                check_state(state, poisoned_window and not closed and poison[2] <= m)
+                check_state(state, poisoned_window and not closed and poison[2] <= m, mode)
 
             # the window closed: compare with the big batch of the same samples
-            reference_next, loss, count = big_batch_step(
+            reference_next, loss, num_items = big_batch_step(
                 reference, {"tokens": tokens[w], "labels": labels[w]}
             )
-            metrics = jax.tree.map(lambda x: np.asarray(x)[0], jaxaccum.window_metrics(state))
-            assert float(metrics["window_count"]) == float(count)  # exact integer
-            expected_reason = 1 if count == 0 else (2 if poisoned_window else 0)
-            assert int(metrics["skip_reason"]) == expected_reason
+            metrics = jaxaccum.window_metrics(state)
+            if mode == "vmap":
+                metrics = jax.tree.map(lambda x: np.asarray(x)[0], metrics)
+            assert float(metrics.window_items) == float(num_items)  # exact integer
+            expected_reason = 1 if num_items == 0 else (2 if poisoned_window else 0)
+            assert int(metrics.skip_reason) == expected_reason
             reasons.append(expected_reason)
             if expected_reason == 0:
                 reference = reference_next
-                np.testing.assert_allclose(metrics["loss"], float(loss), rtol=LOSS_RTOL)
+                np.testing.assert_allclose(metrics.loss, float(loss), rtol=LOSS_RTOL)
             for name in reference:
                 # every device's copy against the reference
                 np.testing.assert_allclose(

@@ -31,7 +31,7 @@ def tiny_lm_logits(params: dict, tokens: jax.Array) -> jax.Array:
 
 
 def tiny_lm_loss(params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
-    """``(loss_sum, count)`` of a batch ``{'tokens', 'labels'}`` (token unit)."""
+    """``(loss_sum, num_items)`` of a batch ``{'tokens', 'labels'}`` (token unit)."""
     return losses.causal_lm(tiny_lm_logits(params, batch["tokens"]), batch["labels"])
 
 
@@ -153,3 +153,19 @@ def all_reduce_placement(hlo_text: str) -> dict[str, Any]:
         "branches": branches,
         "loop_bodies": sum(count(b) for b in set(bodies)),
     }
+
+
+def entry_fusions(hlo_text: str) -> list[str]:
+    """The fusions of the entry computation: ``"shape kind op_name"``, sorted.
+
+    Names and numbering are left out, so two programs that compute the same
+    things on the micro-step path compare equal.
+    """
+    import re
+
+    fusions = []
+    for line in _computations(hlo_text)["__entry__"]:
+        found = re.search(r"= (\S+) fusion\(.*kind=(\w+).*?op_name=\"([^\"]*)\"", line)
+        if found:
+            fusions.append(" ".join(found.groups()))
+    return sorted(fusions)

@@ -1,8 +1,8 @@
-"""Losses that return ``(loss_sum, count)``: a SUM and its count of loss units.
+"""Losses that return ``(loss_sum, num_items)``: a SUM and the number of items it adds up.
 
 Never a mean: the division happens once per window, in
-``jaxaccum._normalize.normalize_window``. The count is in the loss's own unit:
-valid tokens for token-level losses, samples for sample-level ones.
+:func:`jaxaccum.normalize_window`. An item is the loss's own unit: a valid
+token for token-level losses, a sample for sample-level ones.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def causal_lm(
     .. math:: \\ell^{sum} = \\sum_{t:\\,y_{t+1} \\ne -100} -\\log p(y_{t+1} \\mid x_{\\le t}),
        \\qquad n = |\\{t : y_{t+1} \\ne -100\\}|
 
-    The count is taken after the causal shift (the first label never counts).
+    The items are counted after the causal shift (the first label never counts).
 
     Args:
       logits: ``[..., T, vocab]``.
@@ -52,13 +52,13 @@ def causal_lm(
       ignore_index: the label value that carries no loss.
 
     Returns:
-      ``(loss_sum, count)``: float32 scalars (float64 for float64 logits).
+      ``(loss_sum, num_items)``: float32 scalars (float64 for float64 logits).
 
     Example:
       >>> import jax.numpy as jnp
       >>> logits = jnp.zeros((1, 3, 4))  # uniform over 4 classes
-      >>> loss_sum, count = causal_lm(logits, jnp.array([[7, 1, -100]]))
-      >>> round(float(loss_sum), 4), float(count)  # one valid token, log(4)
+      >>> loss_sum, num_items = causal_lm(logits, jnp.array([[7, 1, -100]]))
+      >>> round(float(loss_sum), 4), float(num_items)  # one valid token, log(4)
       (1.3863, 1.0)
     """
     token_loss, valid = _token_losses(logits, labels, ignore_index)
@@ -75,7 +75,7 @@ def causal_lm_per_sample(
     are not counted. This is the unit of GRPO-style per-sequence losses.
 
     Returns:
-      ``(loss_sum, count)``: float32 scalars; ``count`` is the number of
+      ``(loss_sum, num_items)``: float32 scalars; ``num_items`` is the number of
       samples with at least one valid token.
     """
     token_loss, valid = _token_losses(logits, labels, ignore_index)
@@ -98,7 +98,7 @@ def per_sample(
       mask: optional ``[B]`` bool, False for padding samples.
 
     Returns:
-      ``(loss_sum, count)`` float32 scalars.
+      ``(loss_sum, num_items)``: float32 scalars.
     """
     sample_losses = sample_losses.astype(jnp.float32)
     if mask is None:

@@ -38,7 +38,7 @@ class Run:
     Attributes:
       label: who ran it (``"jaxaccum"``, ``"torch_ref"``, ``"torch_ref:mean_of_means"``, ...).
       records: one dict per update with ``loss`` (window mean; under a bug what
-        the buggy code logs), ``window_count``, ``grad_norm`` (may be NaN if
+        the buggy code logs), ``window_items``, ``grad_norm`` (may be NaN if
         unknown), ``update_id``.
       params: ``n_updates + 1`` torch-layout float64 state dicts, initial first.
       seconds: wall time of the run (compilation included).
@@ -127,21 +127,28 @@ def param_deviation_elementwise(a: Run, b: Run) -> list[float]:
     return out
 
 
+def _gap(x: float, y: float, *, relative: bool) -> float:
+    """``|x - y|`` (``/ |y|``); 0 when both records say the same non-number (NaN and
+    NaN: no loss to record; inf and inf), NaN when only one of them is a number."""
+    if x == y or (math.isnan(x) and math.isnan(y)):
+        return 0.0
+    return abs(x - y) / abs(y) if relative and y != 0 else abs(x - y)
+
+
 def relative(a: Run, b: Run, key: str) -> list[float]:
-    """Per update ``|a - b| / |b|`` of a record field (NaN where either is unknown)."""
+    """Per update ``|a - b| / |b|`` of a record field (NaN where only one is unknown)."""
     _check_lengths(a, b)
-    out = []
-    for ra, rb in zip(a.records, b.records):
-        x, y = float(ra.get(key, math.nan)), float(rb.get(key, math.nan))
-        out.append(abs(x - y) / abs(y) if y != 0 else abs(x - y))
-    return out
+    return [
+        _gap(float(ra.get(key, math.nan)), float(rb.get(key, math.nan)), relative=True)
+        for ra, rb in zip(a.records, b.records)
+    ]
 
 
 def absolute(a: Run, b: Run, key: str) -> list[float]:
     """Per update ``|a - b|`` of a record field."""
     _check_lengths(a, b)
     return [
-        abs(float(ra.get(key, math.nan)) - float(rb.get(key, math.nan)))
+        _gap(float(ra.get(key, math.nan)), float(rb.get(key, math.nan)), relative=False)
         for ra, rb in zip(a.records, b.records)
     ]
 
@@ -283,7 +290,7 @@ def compare(
         param_dev_elementwise=param_deviation_elementwise(subject, reference),
         loss_dev=relative(subject, reference, "loss"),
         grad_norm_dev=relative(subject, reference, "grad_norm"),
-        count_dev=absolute(subject, reference, "window_count") if kind == "parity" else [],
+        count_dev=absolute(subject, reference, "window_items") if kind == "parity" else [],
         comm=comm,
         sequences=sequences(subject, reference) if scaling else None,
     )

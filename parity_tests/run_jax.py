@@ -7,7 +7,7 @@ Three runners, one record format (:class:`parity_tests.compare.Run`):
   gradients of the local SUMMED loss; the short window is closed with
   ``end_window=True``.
 * :func:`run_big_batch` - the reference, without jaxaccum: one plain
-  ``optax.adamw`` step per global batch on ``loss_sum / count`` of the whole batch.
+  ``optax.adamw`` step per global batch on ``loss_sum / num_items`` of the whole batch.
 * :func:`run_optax_multisteps` - the negative control: ``optax.MultiSteps`` fed
   per-micro-batch MEAN losses, averaged over the devices (``pmean``), as a
   data-parallel loop built on optax usually does (mean of means and local
@@ -101,7 +101,7 @@ def adamw(opt: Optimizer, dtype=jnp.float32) -> optax.GradientTransformation:
 
 
 def loss_fn(unit: str, dtype=jnp.float32):
-    """``(logits, labels) -> (loss_sum, count)`` of the unit, from ``jaxaccum.losses``.
+    """``(logits, labels) -> (loss_sum, num_items)`` of the unit, from ``jaxaccum.losses``.
 
     The losses compute in at least float32, and in float64 for float64 logits.
     ``dtype`` is kept for the callers' signature.
@@ -162,7 +162,10 @@ def _snapshot(flat, scn: Scenario) -> dict[str, np.ndarray]:
 
 
 def _record(metrics) -> dict:
-    return {key: np.asarray(v).item() for key, v in jax.device_get(metrics).items()}
+    metrics = jax.device_get(metrics)
+    if isinstance(metrics, jaxaccum.WindowMetrics):
+        metrics = metrics._asdict()
+    return {key: np.asarray(v).item() for key, v in metrics.items()}
 
 
 # ----------------------------------------------------------------------------- data parallelism
@@ -260,16 +263,16 @@ def _jaxaccum_fns(world: int, k: int, unit: str, dtype: str, opt: Optimizer, sca
     def micro_step(params, state, tokens, labels, end_window, poison):
         tokens, labels = tokens[0], labels[0]  # this device's micro-batch [mb, T]
         if scaling is None:
-            (loss_sum, count), grads = jax.value_and_grad(
+            (loss_sum, num_items), grads = jax.value_and_grad(
                 lambda p: lfn(_logits(p, tokens, pdt, cdt), labels), has_aux=True
             )(dp.local_params(params))
         else:
             poison = jnp.where(jax.lax.axis_index(AXIS) == poison[1], poison[0], 1.0)
-            (loss_sum, count), grads = scaled_grad(
+            (loss_sum, num_items), grads = scaled_grad(
                 params, tokens, labels, poison, loss_scale=jaxaccum.loss_scale(state)
             )
         updates, state = tx.update(
-            grads, state, params, count=count, loss_sum=loss_sum, end_window=end_window
+            grads, state, params, num_items=num_items, loss_sum=loss_sum, end_window=end_window
         )
         return optax.apply_updates(params, updates), state, jaxaccum.window_metrics(state)
 
@@ -330,16 +333,16 @@ def _big_batch_fns(unit: str, dtype: str, opt: Optimizer):
     @jax.jit
     def step(params, state, tokens, labels):
         def mean_loss(p):
-            loss_sum, count = lfn(_logits(p, tokens, pdt, cdt), labels)
-            return loss_sum / count, count
+            loss_sum, num_items = lfn(_logits(p, tokens, pdt, cdt), labels)
+            return loss_sum / num_items, num_items
 
-        (loss, count), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
+        (loss, num_items), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
         grads, norm = _clip(grads, opt.max_grad_norm)
         updates, state = tx.update(grads, state, params)
         return (
             optax.apply_updates(params, updates),
             state,
-            {"loss": loss, "window_count": count, "grad_norm": norm},
+            {"loss": loss, "window_items": num_items, "grad_norm": norm},
         )
 
     return tx, step
@@ -394,8 +397,8 @@ def _multisteps_fns(world: int, k: int, unit: str, dtype: str, opt: Optimizer):
         tokens, labels = tokens[0], labels[0]
 
         def mean_loss(p):  # the usual per-micro-batch mean, guarded against 0/0
-            loss_sum, count = lfn(_logits(p, tokens, pdt, cdt), labels)
-            return loss_sum / jnp.maximum(count, 1.0)
+            loss_sum, num_items = lfn(_logits(p, tokens, pdt, cdt), labels)
+            return loss_sum / jnp.maximum(num_items, 1.0)
 
         loss, grads = jax.value_and_grad(mean_loss)(dp.local_params(params))
         grads = jax.lax.pmean(grads, AXIS)  # the data-parallel average of the device means
@@ -414,7 +417,7 @@ def run_optax_multisteps(scn: Scenario, weights: dict[str, np.ndarray]) -> Run:
 
     Records: ``loss`` the window average of the device-averaged micro-batch means
     (what such a loop logs), ``grad_norm`` the norm of the gradient MultiSteps
-    hands to AdamW (before its clipping), ``window_count`` the true global count.
+    hands to AdamW (before its clipping), ``window_items`` the true global items.
     A short window is filled up with empty micro-batches (MultiSteps cannot close
     a window early), which only dilutes it further.
     """
@@ -441,7 +444,7 @@ def run_optax_multisteps(scn: Scenario, weights: dict[str, np.ndarray]) -> Run:
                 {
                     "loss": float(np.mean(losses)),
                     "grad_norm": float(jnp.linalg.norm(grad_sum)) / scn.k,
-                    "window_count": float(units(labels, scn.unit).sum()),
+                    "window_items": float(units(labels, scn.unit).sum()),
                     "update_id": u + 1,
                 }
             )

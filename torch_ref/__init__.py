@@ -24,12 +24,12 @@ Model (spec in ``torch_ref/_model.py``, the Flax twin follows it)::
 
 Loss::
 
-    causal_lm_loss_sum(logits, labels, unit="token"|"sample") -> (loss_sum, count)
-    count_units(labels, unit) -> int;  IGNORE_INDEX = -100
+    causal_lm_loss_sum(logits, labels, unit="token"|"sample") -> (loss_sum, num_items)
+    count_items(labels, unit) -> int;  IGNORE_INDEX = -100
 
 Training::
 
-    Progress(micro_step=0, update_id=0, cumulative_count=0.0, skip_count=0)  # counters
+    Progress(micro_step=0, update_id=0, cumulative_items=0.0, skip_count=0)  # counters
     EMA(model, decay)                                         # shadow params
     train_update(model, microbatches, optimizer, *, scheduler=None, max_grad_norm=None,
                  scaler=None, unit="token", empty_window="raise", ema=None,
@@ -42,8 +42,8 @@ The record (same keys and meanings as ``jaxaccum.window_metrics``)::
 
     micro_step         int    micro-batches processed on this rank so far
     update_id          int    optimizer updates really applied so far
-    window_count       float  N: global loss units of this window
-    cumulative_count   float  sum of N over all APPLIED windows
+    window_items       float  N: global loss units of this window
+    cumulative_items   float  sum of N over all APPLIED windows
     loss               float  global loss sum / N
     grad_norm          float  ||window gradient||_2 before clipping (unscaled)
     grad_norm_clipped  float  the same after clipping (== grad_norm without clip)
@@ -51,12 +51,13 @@ The record (same keys and meanings as ``jaxaccum.window_metrics``)::
                               a GradScaler overflow; or an empty window with
                               empty_window="skip")
     skip_count         int    windows skipped so far
-    skip_reason        int    0 applied, 1 empty, 2 non-finite
+    skip_reason        int    a SkipReason: 0 applied, 1 empty, 2 non-finite
     loss_scale         float  GradScaler scale for the NEXT window (1.0 without)
     learning_rate      float  LR used (or that would have been used) by this update
                               (torch_ref only)
 
-On a skipped window loss, grad_norm and grad_norm_clipped are 0.0, as in jaxaccum.
+As in jaxaccum, an empty window records a NaN loss (it has no mean), and a
+non-finite window records the NaN or inf it computed.
 
 Bugs: `torch_ref.buggy` (``BUG_NAMES``; ``train_update(..., bug=name)``).
 
@@ -100,7 +101,7 @@ it by sqrt(v) + eps and turns it into a layout-dependent step. In float64
 """
 
 from torch_ref import buggy, ddp
-from torch_ref._loss import IGNORE_INDEX, causal_lm_loss_sum, count_units
+from torch_ref._loss import IGNORE_INDEX, causal_lm_loss_sum, count_items
 from torch_ref._model import TinyGPT, TinyGPTConfig, export_state_dict, load_state_dict_numpy
 from torch_ref._scenario import (
     SGD,
@@ -113,7 +114,7 @@ from torch_ref._scenario import (
     run_scenarios,
     split_window,
 )
-from torch_ref._train import EMA, RECORD_KEYS, Progress, train, train_update, windows_of
+from torch_ref._train import EMA, RECORD_KEYS, Progress, SkipReason, train, train_update, windows_of
 
 __all__ = [
     "EMA",
@@ -124,12 +125,13 @@ __all__ = [
     "Progress",
     "Scenario",
     "ScenarioResult",
+    "SkipReason",
     "TinyGPT",
     "TinyGPTConfig",
     "WarmupCosine",
     "buggy",
     "causal_lm_loss_sum",
-    "count_units",
+    "count_items",
     "ddp",
     "export_state_dict",
     "load_state_dict_numpy",

@@ -1,15 +1,15 @@
-"""Causal-LM loss as (sum, count): the only loss form gradient accumulation needs.
+"""Causal-LM loss as (sum, num_items): the only loss form gradient accumulation needs.
 
 Tokens: position t of ``logits`` predicts ``labels[:, t + 1]``; a label equal to
 ``IGNORE_INDEX`` (-100) is not a loss unit.
 
     unit="token":   loss_sum = sum over valid (b, t) of CE(logits[b, t], labels[b, t+1])
-                    count    = number of valid (b, t)
+                    num_items = number of valid (b, t)
     unit="sample":  loss_sum = sum over samples b with n_b >= 1 valid tokens of
                                (1 / n_b) * sum over valid t of CE(...)
-                    count    = number of samples with n_b >= 1
+                    num_items = number of samples with n_b >= 1
 
-The window loss is then ``(sum of loss_sum) / (sum of count)`` over every
+The window loss is then ``(sum of loss_sum) / (sum of num_items)`` over every
 micro-batch of every rank in the window. Cross entropy is computed in float32
 (bf16/fp16 logits are cast to float first, whatever the autocast dtype;
 float64 logits stay float64).
@@ -29,7 +29,7 @@ def _check_unit(unit: str) -> None:
         raise ValueError(f"unit: expected one of {UNITS}, got {unit!r}")
 
 
-def count_units(labels: torch.Tensor, unit: str = "token") -> int:
+def count_items(labels: torch.Tensor, unit: str = "token") -> int:
     """Number of loss units in a micro-batch, from the labels alone (no forward).
 
     Args:
@@ -37,7 +37,7 @@ def count_units(labels: torch.Tensor, unit: str = "token") -> int:
       unit: "token" (valid shifted labels) or "sample" (samples with >= 1 of them).
 
     Returns:
-      the count as a Python int.
+      the number of items as a Python int.
     """
     _check_unit(unit)
     valid = labels[:, 1:] != IGNORE_INDEX
@@ -51,7 +51,7 @@ def causal_lm_loss_sum(
 ) -> tuple[torch.Tensor, int]:
     """Summed causal-LM cross entropy and its number of loss units.
 
-    Math (see module docstring): ``loss_sum = sum_units l_u``, ``count = #units``.
+    Math (see module docstring): ``loss_sum = sum_units l_u``, ``num_items = #units``.
     Samples or micro-batches without any valid label give a loss_sum of 0 that
     still depends on the logits (so backward reaches every parameter, which
     DistributedDataParallel requires) with zero gradient.
@@ -62,7 +62,7 @@ def causal_lm_loss_sum(
       unit: "token" or "sample".
 
     Returns:
-      (loss_sum: float32 (float64 for float64 logits) scalar tensor, count: int).
+      (loss_sum: float32 (float64 for float64 logits) scalar tensor, num_items: int).
     """
     _check_unit(unit)
     shift_logits = logits[:, :-1, :].to(torch.promote_types(logits.dtype, torch.float32))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from torch_ref import causal_lm_loss_sum, count_units
+from torch_ref import causal_lm_loss_sum, count_items
 
 LN2 = math.log(2.0)
 
@@ -31,7 +31,7 @@ def test_token_unit_hand_computed():
     logits, labels = _example()
     loss_sum, count = causal_lm_loss_sum(logits, labels, "token")
     # ln 2 + ln 4 + ln 4 = 5 ln 2 over 3 tokens; float32 log/exp rounding ~1e-7.
-    assert count == 3 == count_units(labels, "token")
+    assert count == 3 == count_items(labels, "token")
     assert abs(loss_sum.item() - 5 * LN2) <= 1e-6
     loss_sum.backward()
     # The sample without labels gets exactly zero gradient (masked, not approximated).
@@ -42,7 +42,7 @@ def test_sample_unit_hand_computed():
     logits, labels = _example()
     loss_sum, count = causal_lm_loss_sum(logits, labels, "sample")
     # sample 0 mean (ln 2 + ln 4) / 2 = 1.5 ln 2, sample 1: 2 ln 2; sample 2 not a unit.
-    assert count == 2 == count_units(labels, "sample")
+    assert count == 2 == count_items(labels, "sample")
     assert abs(loss_sum.item() - 3.5 * LN2) <= 1e-6  # float32 rounding
     loss_sum.backward()
     assert logits.grad[2].abs().max().item() == 0.0
@@ -61,4 +61,4 @@ def test_all_ignored_is_zero_but_differentiable():
 
 def test_bad_unit():
     with pytest.raises(ValueError, match="unit: expected one of"):
-        count_units(torch.zeros(1, 2, dtype=torch.long), "tokens")
+        count_items(torch.zeros(1, 2, dtype=torch.long), "tokens")

@@ -13,7 +13,7 @@ all-reduce it (SUM); per micro-batch backward of ``loss_sum * R / N``
 ``sum_r loss_sum_r / N``); ``no_sync()`` around forward AND backward of all but
 the last micro-batch (one gradient all-reduce per window); at the boundary,
 once: unscale (fp16 GradScaler) -> global norm -> clip -> step -> scaler update.
-The scheduler, the EMA, ``update_id`` and ``cumulative_count`` advance only when
+The scheduler, the EMA, ``update_id`` and ``cumulative_items`` advance only when
 the optimizer really stepped.
 
 `train` cuts a stream of micro-batches into windows of k (tail window
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import math
 import warnings
 from collections.abc import Iterable, Sequence
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_ref._loss import UNITS, causal_lm_loss_sum, count_units
+from torch_ref._loss import UNITS, causal_lm_loss_sum, count_items
 from torch_ref._model import _unwrap
 
 Microbatch = dict[str, torch.Tensor]
@@ -64,8 +65,8 @@ BUG_NAMES: tuple[str, ...] = (
 RECORD_KEYS: tuple[str, ...] = (
     "micro_step",
     "update_id",
-    "window_count",
-    "cumulative_count",
+    "window_items",
+    "cumulative_items",
     "loss",
     "grad_norm",
     "grad_norm_clipped",
@@ -75,10 +76,14 @@ RECORD_KEYS: tuple[str, ...] = (
     "loss_scale",
     "learning_rate",
 )
-# record["skip_reason"] (the values of jaxaccum's WindowRecord.skip_reason).
-APPLIED = 0
-SKIP_EMPTY = 1
-SKIP_NONFINITE = 2
+
+
+class SkipReason(enum.IntEnum):
+    """``record["skip_reason"]``: the values of ``jaxaccum.SkipReason`` (checked by the parity tests)."""
+
+    APPLIED = 0
+    EMPTY = 1  # the window's global number of items was 0
+    NONFINITE = 2  # the window gradient or loss was NaN or inf
 
 
 @dataclasses.dataclass
@@ -89,13 +94,13 @@ class Progress:
       micro_step: micro-batches processed on this rank since the start (int).
       update_id: optimizer updates really applied (int; a skipped window does
         not count).
-      cumulative_count: global loss units summed over all APPLIED windows (float).
+      cumulative_items: global loss units summed over all APPLIED windows (float).
       skip_count: windows skipped so far (empty or non-finite) (int).
     """
 
     micro_step: int = 0
     update_id: int = 0
-    cumulative_count: float = 0.0
+    cumulative_items: float = 0.0
     skip_count: int = 0
 
 
@@ -219,7 +224,7 @@ def train_update(
     backpropagates ``loss_sum * R / N``; DDP averages over ranks, so the
     optimizer sees ``g = grad (sum of all loss sums) / N``. Then, once:
     ``grad_norm = ||g||_2``; if ``max_grad_norm``: ``g <- g * min(1, max_grad_norm / grad_norm)``;
-    step; the scheduler, EMA, ``update_id``, ``cumulative_count`` advance only if
+    step; the scheduler, EMA, ``update_id``, ``cumulative_items`` advance only if
     the optimizer really stepped.
 
     A window is skipped (``skipped=True``, no optimizer/scheduler/EMA step) when
@@ -258,8 +263,8 @@ def train_update(
       plus ``learning_rate``):
         micro_step (int): micro-batches on this rank since the start, after this window;
         update_id (int): updates really applied so far (unchanged when skipped);
-        window_count (float): N, global loss units of this window;
-        cumulative_count (float): sum of N over all APPLIED windows so far;
+        window_items (float): N, global loss units of this window;
+        cumulative_items (float): sum of N over all APPLIED windows so far;
         loss (float): window mean loss, global loss sum / N. Under a ``bug`` it
           is the value of the (buggy) objective whose gradient the optimizer
           received (e.g. k x the mean for missing_1_over_k);
@@ -273,8 +278,9 @@ def train_update(
           boundary's ``scaler.update()``; 1.0 without a scaler);
         learning_rate (float): LR of param group 0 used (or that would have been
           used) for this update.
-      On a skipped window loss, grad_norm and grad_norm_clipped are 0.0 (as in
-      jaxaccum: a NaN never reaches a record).
+      As in jaxaccum, an empty window records a NaN loss (it has no mean) and a
+      non-finite one records what it computed (its NaN or inf norm or loss), with
+      ``grad_norm_clipped == grad_norm``: nothing was clipped.
 
     Raises:
       ValueError: bad ``unit``/``empty_window``/``bug``, ranks with different
@@ -286,7 +292,7 @@ def train_update(
       >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
       >>> ids = torch.randint(0, 256, (2, 16))
       >>> rec = train_update(model, [{"input_ids": ids, "labels": ids}], opt)
-      >>> rec["update_id"], rec["window_count"]
+      >>> rec["update_id"], rec["window_items"]
       (1, 30.0)
     """
     if unit not in UNITS:
@@ -318,7 +324,7 @@ def train_update(
     ]
 
     # 1. Count the window's loss units before any backward; all-reduce SUM.
-    micro_counts = [count_units(mb["labels"], unit) for mb in batches]
+    micro_counts = [count_items(mb["labels"], unit) for mb in batches]
     local_count = float(sum(micro_counts))
     stats = torch.tensor([local_count, float(n_micro)], dtype=torch.float64, device=device)
     if ddp is not None:
@@ -342,7 +348,7 @@ def train_update(
             )
         progress.micro_step += n_micro
         progress.skip_count += 1
-        return _record(progress, 0.0, 0.0, 0.0, 0.0, SKIP_EMPTY, lr, loss_scale)
+        return _record(progress, 0.0, math.nan, 0.0, 0.0, SkipReason.EMPTY, lr, loss_scale)
 
     # 2. Micro-batch loop: sum-reduced loss, normalized once by the global count.
     def autocast() -> contextlib.AbstractContextManager[Any]:
@@ -422,15 +428,17 @@ def train_update(
     progress.micro_step += n_micro
     if skipped:
         progress.skip_count += 1
-        return _record(progress, global_count, 0.0, 0.0, 0.0, SKIP_NONFINITE, lr, loss_scale)
+        return _record(
+            progress, global_count, loss, grad_norm, grad_norm, SkipReason.NONFINITE, lr, loss_scale
+        )
     if scheduler is not None and bug != SCHEDULER_PER_MICROBATCH:
         scheduler.step()
     if ema is not None:
         ema.update(model)
     progress.update_id += 1
-    progress.cumulative_count += global_count
+    progress.cumulative_items += global_count
     return _record(
-        progress, global_count, loss, grad_norm, grad_norm_clipped, APPLIED, lr, loss_scale
+        progress, global_count, loss, grad_norm, grad_norm_clipped, SkipReason.APPLIED, lr, loss_scale
     )
 
 
@@ -455,7 +463,7 @@ def _backward_clipped(
 
 def _record(
     progress: Progress,
-    window_count: float,
+    window_items: float,
     loss: float,
     grad_norm: float,
     grad_norm_clipped: float,
@@ -466,12 +474,12 @@ def _record(
     return {
         "micro_step": progress.micro_step,
         "update_id": progress.update_id,
-        "window_count": float(window_count),
-        "cumulative_count": float(progress.cumulative_count),
+        "window_items": float(window_items),
+        "cumulative_items": float(progress.cumulative_items),
         "loss": float(loss),
         "grad_norm": float(grad_norm),
         "grad_norm_clipped": float(grad_norm_clipped),
-        "skipped": skip_reason != APPLIED,
+        "skipped": skip_reason != SkipReason.APPLIED,
         "skip_count": progress.skip_count,
         "skip_reason": int(skip_reason),
         "loss_scale": float(loss_scale),

@@ -115,8 +115,8 @@ def test_every_layout_gives_the_big_batch_updates(results):
         res = results[f"train_{r}x{k}"]
         for u in range(3):
             a, b = res.records[u], ref.records[u]
-            assert a["window_count"] == b["window_count"] == 140.0  # integers, exact
-            assert a["cumulative_count"] == 140.0 * (u + 1)
+            assert a["window_items"] == b["window_items"] == 140.0  # integers, exact
+            assert a["cumulative_items"] == 140.0 * (u + 1)
             assert (a["micro_step"], a["update_id"], a["skipped"]) == (k * (u + 1), u + 1, False)
             assert abs(a["loss"] / b["loss"] - 1) <= 1e-6  # float32 sums of 140 terms
             assert abs(a["grad_norm"] / b["grad_norm"] - 1) <= GRAD_RTOL
@@ -173,8 +173,8 @@ def test_inf_on_one_rank_skips_the_window_on_every_rank(results):
         assert [x["skipped"] for x in rank_recs] == [False, True, True, False]
         assert [x["update_id"] for x in rank_recs] == [1, 1, 1, 2]
         assert [x["micro_step"] for x in rank_recs] == [2, 4, 6, 8]
-        assert [x["window_count"] for x in rank_recs] == [140.0, 140.0, 0.0, 140.0]
-        assert [x["cumulative_count"] for x in rank_recs] == [140.0, 140.0, 140.0, 280.0]
+        assert [x["window_items"] for x in rank_recs] == [140.0, 140.0, 0.0, 140.0]
+        assert [x["cumulative_items"] for x in rank_recs] == [140.0, 140.0, 140.0, 280.0]
     lrs = [x["learning_rate"] for x in res.records]
     assert lrs[3] == lrs[1] == lrs[2]  # schedule frozen over both skips (exact)
     # Skipped windows change nothing, bitwise.

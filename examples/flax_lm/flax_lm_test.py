@@ -35,8 +35,8 @@ def test_train_quick():
     assert len(lines) == 2  # one log line per update
     for field in (
         "micro_step",
-        "window_count",
-        "cumulative_count",
+        "window_items",
+        "cumulative_items",
         "loss",
         "grad_norm",
         "lr",

@@ -1,8 +1,8 @@
-"""The Linen route: a ``TrainState`` whose ``apply_gradients`` forwards the count.
+"""The Linen route: a ``TrainState`` whose ``apply_gradients`` forwards ``num_items``.
 
 ``flax.training.train_state.TrainState.apply_gradients`` calls
-``tx.update(grads, opt_state, params)``: no ``count``, and ``step + 1`` on every
-call, i.e. a micro-step counter. :class:`AccumTrainState` passes ``count``,
+``tx.update(grads, opt_state, params)``: no ``num_items``, and ``step + 1`` on every
+call, i.e. a micro-step counter. :class:`AccumTrainState` passes ``num_items``,
 ``loss_sum`` and ``end_window`` on to ``jaxaccum.multi_steps`` and advances
 ``step`` only when a window was applied, so ``step`` counts updates (what
 schedules, EMAs and checkpoint names want).
@@ -44,13 +44,13 @@ TOLERANCE = 1e-5
 class AccumTrainState(train_state.TrainState):
     """A ``TrainState`` for ``jaxaccum.multi_steps``: ``step`` counts applied updates."""
 
-    def apply_gradients(self, *, grads, count, loss_sum=None, end_window=False, **kwargs):
-        """One micro-batch: ``grads`` of the SUMMED loss, ``count`` its loss units."""
+    def apply_gradients(self, *, grads, num_items, loss_sum=None, end_window=False, **kwargs):
+        """One micro-batch: ``grads`` of the SUMMED loss, ``num_items`` the items it adds up."""
         updates, opt_state = self.tx.update(
             grads,
             self.opt_state,
             self.params,
-            count=count,
+            num_items=num_items,
             loss_sum=loss_sum,
             end_window=end_window,
         )
@@ -73,23 +73,23 @@ class BigramLM(nn.Module):
         return nn.Dense(256)(nn.Embed(256, self.hidden)(tokens))
 
 
-def loss_sum_and_count(params, apply_fn, tokens, labels):
+def loss_sum_and_items(params, apply_fn, tokens, labels):
     return jaxaccum.losses.causal_lm(apply_fn({"params": params}, tokens), labels)
 
 
 @jax.jit
 def accum_step(state: AccumTrainState, tokens, labels):
-    (loss_sum, count), grads = jax.value_and_grad(loss_sum_and_count, has_aux=True)(
+    (loss_sum, num_items), grads = jax.value_and_grad(loss_sum_and_items, has_aux=True)(
         state.params, state.apply_fn, tokens, labels
     )
-    return state.apply_gradients(grads=grads, count=count, loss_sum=loss_sum)
+    return state.apply_gradients(grads=grads, num_items=num_items, loss_sum=loss_sum)
 
 
 @jax.jit
 def big_batch_step(state: train_state.TrainState, tokens, labels):
     def mean_loss(params):
-        loss_sum, count = loss_sum_and_count(params, state.apply_fn, tokens, labels)
-        return loss_sum / count
+        loss_sum, num_items = loss_sum_and_items(params, state.apply_fn, tokens, labels)
+        return loss_sum / num_items
 
     return state.apply_gradients(grads=jax.grad(mean_loss)(state.params))
 
@@ -125,14 +125,14 @@ def main() -> int:
             for a, b in zip(jax.tree.leaves(accum.params), jax.tree.leaves(big.params))
         )
         print(
-            f"update {int(accum.step)} (micro_step {int(metrics['micro_step'])}) | window_count"
-            f" {float(metrics['window_count']):.0f} | loss {float(metrics['loss']):.4f} |"
+            f"update {int(accum.step)} (micro_step {int(metrics.micro_step)}) | window_items"
+            f" {float(metrics.window_items):.0f} | loss {float(metrics.loss):.4f} |"
             f" max |param - big batch| {gap:.1e}"
         )
         assert gap <= TOLERANCE, gap
     # step counts updates (the plain TrainState's step counts its 5 calls, one per update too)
     assert int(accum.step) == UPDATES == int(big.step)
-    assert int(jaxaccum.window_metrics(accum.opt_state)["micro_step"]) == UPDATES * K
+    assert int(jaxaccum.window_metrics(accum.opt_state).micro_step) == UPDATES * K
     print(f"AccumTrainState.step = {int(accum.step)} updates after {UPDATES * K} micro-batches")
     return 0
 

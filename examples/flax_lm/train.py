@@ -12,7 +12,7 @@ rate, global-norm clipping at 1.0):
 
 1. big batch: one update per 16 samples on their token-mean loss;
 2. ``optax.MultiSteps``: each micro-batch's token mean, averaged (mean of means);
-3. ``jaxaccum.multi_steps`` inside ``nnx.Optimizer``: summed loss and token count.
+3. ``jaxaccum.multi_steps`` inside ``nnx.Optimizer``: summed loss and its valid tokens.
 
 jaxaccum logs one line per update (the window record and the learning rate);
 the summary compares each pipeline's parameters with the big batch's.
@@ -102,7 +102,7 @@ def new_optimizer(model, tx) -> nnx.Optimizer:
     return nnx.jit(lambda model: nnx.Optimizer(model, tx, wrt=nnx.Param))(model)
 
 
-def loss_sum_and_count(model, tokens, labels):
+def loss_sum_and_items(model, tokens, labels):
     return jaxaccum.losses.causal_lm(model(tokens), labels)
 
 
@@ -112,8 +112,8 @@ def loss_sum_and_count(model, tokens, labels):
 @nnx.jit
 def big_batch_step(model, optimizer, tokens, labels):
     def mean_loss(model):
-        loss_sum, count = loss_sum_and_count(model, tokens, labels)
-        return loss_sum / count
+        loss_sum, num_items = loss_sum_and_items(model, tokens, labels)
+        return loss_sum / num_items
 
     loss, grads = nnx.value_and_grad(mean_loss)(model)
     norm = optax.tree.norm(grads)  # PyTorch's clip formula, as jaxaccum's max_grad_norm
@@ -128,12 +128,12 @@ def big_batch_step(model, optimizer, tokens, labels):
 @nnx.jit
 def multisteps_micro_step(model, optimizer, tokens, labels):
     def mean_loss(model):  # the usual per-micro-batch token mean (0/0 guarded)
-        loss_sum, count = loss_sum_and_count(model, tokens, labels)
-        return loss_sum / jnp.maximum(count, 1.0), (loss_sum, count)
+        loss_sum, num_items = loss_sum_and_items(model, tokens, labels)
+        return loss_sum / jnp.maximum(num_items, 1.0), (loss_sum, num_items)
 
-    (mean, (loss_sum, count)), grads = nnx.value_and_grad(mean_loss, has_aux=True)(model)
+    (mean, (loss_sum, num_items)), grads = nnx.value_and_grad(mean_loss, has_aux=True)(model)
     optimizer.update(model, grads)
-    return mean, loss_sum, count
+    return mean, loss_sum, num_items
 
 
 # --- 3. jaxaccum.multi_steps inside nnx.Optimizer ------------------------------------
@@ -141,13 +141,13 @@ def multisteps_micro_step(model, optimizer, tokens, labels):
 
 @nnx.jit
 def jaxaccum_micro_step(model, optimizer, tokens, labels):
-    (loss_sum, count), grads = nnx.value_and_grad(loss_sum_and_count, has_aux=True)(
+    (loss_sum, num_items), grads = nnx.value_and_grad(loss_sum_and_items, has_aux=True)(
         model, tokens, labels
     )
-    optimizer.update(model, grads, count=count, loss_sum=loss_sum)  # a SUM and its count
-    state = nnx.as_pure(optimizer.opt_state)  # the MultiStepsState
-    record = jaxaccum.window_metrics(state)
-    record["learning_rate"] = state.inner_state.hyperparams["learning_rate"]
+    optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)  # a SUM, its items
+    state = optimizer.opt_state
+    record = jaxaccum.window_metrics(state)._asdict()
+    record["learning_rate"] = nnx.as_pure(state).inner_state.hyperparams["learning_rate"]
     record["applied"] = jaxaccum.has_updated(state)
     return record
 
@@ -170,7 +170,7 @@ def log_line(record: dict, s: Settings) -> str:
     r = {key: np.asarray(v).item() for key, v in record.items()}
     return (
         f"update {r['update_id']:>3}/{s.updates} | micro_step {r['micro_step']:>4}"
-        f" | window_count {r['window_count']:>4.0f} | cumulative_count {r['cumulative_count']:>6.0f}"
+        f" | window_items {r['window_items']:>4.0f} | cumulative_items {r['cumulative_items']:>6.0f}"
         f" | loss {r['loss']:.4f} | grad_norm {r['grad_norm']:.3f} -> {r['grad_norm_clipped']:.3f}"
         f" | lr {r['learning_rate']:.2e} | skipped {r['skipped']}"
     )
@@ -250,10 +250,10 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
         if with_multisteps:
             sums, counts, means = 0.0, 0.0, []
             for m in range(s.k):
-                mean, loss_sum, count = multisteps_micro_step(
+                mean, loss_sum, num_items = multisteps_micro_step(
                     models["multisteps"], optimizers["multisteps"], tok[0, m], lab[0, m]
                 )
-                sums, counts = sums + float(loss_sum), counts + float(count)
+                sums, counts = sums + float(loss_sum), counts + float(num_items)
                 means.append(float(mean))
             history["multisteps"].append(sums / counts)  # its window loss as a token mean
             history["multisteps_logged"].append(float(np.mean(means)))  # what it would log

@@ -1,0 +1,82 @@
+"""Reading the optimizer state: did this call update, what was the last window.
+
+Each helper accepts the state of :func:`jaxaccum.multi_steps` or any
+optimizer state holding exactly one of it (inside ``optax.chain``, or
+``flax.nnx.Optimizer.opt_state``, whose leaves are ``nnx.OptArray``
+variables), and returns plain ``jax.Array`` values, eagerly and under
+``jit``/``nnx.jit``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxaccum._state import MultiStepsState, WindowMetrics
+
+
+def _find_state(opt_state: Any, caller: str) -> MultiStepsState:
+    is_state = lambda x: isinstance(x, MultiStepsState)
+    found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_state) if is_state(s)]
+    if len(found) != 1:
+        raise ValueError(
+            f"{caller}: expected exactly one jaxaccum MultiStepsState inside the optimizer"
+            f" state; found {len(found)}."
+        )
+    return found[0]
+
+
+def _array(leaf: Any) -> jax.Array:
+    """A state leaf as a plain array (an ``nnx.Variable`` is a pytree of one array)."""
+    (value,) = jax.tree.leaves(leaf)
+    return jnp.asarray(value)
+
+
+def has_updated(opt_state: Any) -> jax.Array:
+    """Whether the ``update`` call that returned ``opt_state`` applied an update.
+
+    False between boundaries and after a skipped window.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxaccum
+      >>> tx = jaxaccum.multi_steps(optax.sgd(1.0), every_k_schedule=2)
+      >>> params = {'w': jnp.zeros(2)}
+      >>> state = tx.init(params)
+      >>> for _ in range(2):
+      ...     _, state = tx.update({'w': jnp.ones(2)}, state, params, num_items=1)
+      ...     print(bool(jaxaccum.has_updated(state)))
+      False
+      True
+    """
+    return _array(_find_state(opt_state, "has_updated").applied)
+
+
+def loss_scale(opt_state: Any) -> jax.Array:
+    """The factor to multiply the summed loss by before differentiating.
+
+    1.0 unless ``multi_steps(..., loss_scaling=DynamicLossScale(...))``. It is
+    constant inside a window and changes only at a boundary.
+    """
+    return _array(_find_state(opt_state, "loss_scale").last_window.loss_scale)
+
+
+def window_metrics(opt_state: Any) -> WindowMetrics:
+    """The :class:`WindowMetrics` of the last closed window.
+
+    Between boundaries it still describes the last closed window; use
+    ``._asdict()`` for a logger.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxaccum
+      >>> tx = jaxaccum.multi_steps(optax.sgd(1.0), every_k_schedule=1)
+      >>> params = {'w': jnp.zeros(2)}
+      >>> _, state = tx.update({'w': jnp.ones(2)}, tx.init(params), params, num_items=4,
+      ...                      loss_sum=2.0)
+      >>> metrics = jaxaccum.window_metrics(state)
+      >>> int(metrics.update_id), float(metrics.window_items), float(metrics.loss)
+      (1, 4.0, 0.5)
+    """
+    record = _find_state(opt_state, "window_metrics").last_window
+    return WindowMetrics(*(_array(field) for field in record))

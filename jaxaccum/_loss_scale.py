@@ -1,0 +1,98 @@
+"""fp16 dynamic loss scaling per window: PyTorch ``GradScaler``'s schedule."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxaccum import _checks
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """fp16 dynamic loss scaling per window, PyTorch ``GradScaler``'s schedule.
+
+    The scale is constant inside a window. At the boundary the gradient is
+    unscaled once; a non-finite window is skipped and the scale multiplied by
+    ``backoff_factor``; after ``growth_interval`` consecutive applied windows it
+    is multiplied by ``growth_factor`` (kept as is if that would overflow
+    float32). Empty windows change nothing. See :func:`next_loss_scale`.
+
+    Attributes:
+      init_scale: the first scale (PyTorch's default 2**16).
+      growth_factor: > 1.
+      backoff_factor: in (0, 1).
+      growth_interval: applied windows between growths, >= 1.
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        def check(name, kind, expected, ok):
+            _checks.scalar(
+                getattr(self, name), name, where="DynamicLossScale", kind=kind,
+                expected=expected, ok=ok,
+            )  # fmt: skip
+
+        with np.errstate(over="ignore"):  # 1e39 -> inf in float32 is the point of the check
+            check("init_scale", "real", "a finite float32 number > 0",
+                  lambda v: np.isfinite(np.float32(v)) and v > 0)  # fmt: skip
+        check("growth_factor", "real", "a finite number > 1", lambda v: np.isfinite(v) and v > 1)
+        check("backoff_factor", "real", "a number in (0, 1)", lambda v: 0 < v < 1)
+        check("growth_interval", "int", "an int >= 1", lambda v: v >= 1)
+
+
+def next_loss_scale(
+    config: DynamicLossScale | None,
+    scale: jax.Array,
+    good_windows: jax.Array,
+    *,
+    applied: jax.Array,
+    overflow: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The loss scale and growth tracker after one window.
+
+    PyTorch's ``GradScaler.update`` with one window for one step: an overflow
+    (a non-finite window) multiplies the scale by ``backoff_factor`` and resets
+    the tracker; an applied window adds one to the tracker, and when it reaches
+    ``growth_interval`` the scale is multiplied by ``growth_factor`` (unless
+    that is not finite in float32) and the tracker resets. A window that is
+    neither (an empty one) changes nothing.
+
+    Args:
+      config: the schedule, or None (no loss scaling: nothing changes).
+      scale: float32, the scale the window was computed with.
+      good_windows: int32, applied windows since the scale last changed.
+      applied: bool, the window was applied.
+      overflow: bool, the window was not finite.
+
+    Returns:
+      ``(scale, good_windows)`` for the next window.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> config = DynamicLossScale(init_scale=8.0, growth_interval=2)
+      >>> state = (jnp.float32(8.0), jnp.int32(0))
+      >>> for applied, overflow in [(True, False), (True, False), (False, True)]:
+      ...     state = next_loss_scale(config, *state, applied=applied, overflow=overflow)
+      ...     print(float(state[0]), int(state[1]))
+      8.0 1
+      16.0 0
+      8.0 0
+    """
+    if config is None:
+        return scale, good_windows
+    applied, overflow = jnp.asarray(applied), jnp.asarray(overflow)
+    tracker = good_windows + applied.astype(jnp.int32)
+    grown = (scale * config.growth_factor).astype(jnp.float32)
+    grow = applied & (tracker >= config.growth_interval)
+    new_scale = jnp.where(grow & jnp.isfinite(grown), grown, scale)
+    new_scale = jnp.where(overflow, scale * config.backoff_factor, new_scale)
+    new_tracker = jnp.where(overflow | grow, 0, tracker)
+    return new_scale.astype(jnp.float32), new_tracker.astype(jnp.int32)

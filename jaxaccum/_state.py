@@ -1,0 +1,125 @@
+"""The state of :func:`jaxaccum.multi_steps` and the record of a closed window."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class SkipReason(enum.IntEnum):
+    """Why a window was or was not applied (``WindowMetrics.skip_reason``)."""
+
+    APPLIED = 0
+    """The window was applied: one inner-optimizer update."""
+    EMPTY = 1
+    """The window's global ``num_items`` was 0: no item, no update."""
+    NONFINITE = 2
+    """The window gradient, its loss or its ``num_items`` was NaN or inf."""
+
+
+class WindowMetrics(NamedTuple):
+    """What the last closed window was (scalars, identical on every device).
+
+    Between boundaries it still describes the last closed window. ``_asdict()``
+    gives a dict for loggers; the keys are those of ``torch_ref``'s records.
+
+    Attributes:
+      micro_step: int32, micro-batches seen on this device since ``init``, at
+        the end of the window.
+      update_id: int32, updates applied since ``init`` (after this window).
+        Skipped windows do not count; the inner optimizer counts the same.
+      window_items: the window's global ``num_items`` ``N``: items of all its
+        micro-batches on all devices (``accumulator_dtype``).
+      cumulative_items: ``N`` summed over every applied window.
+      loss: the window's mean loss ``sum(loss_sum) / N``; NaN when it has no
+        value: ``loss_sum`` was not passed on every call of the window, or the
+        window was empty. A non-finite window records what it computed.
+      grad_norm: the L2 norm of the window gradient (``grad_sum / N``),
+        before clipping; unscaled by the loss scale.
+      grad_norm_clipped: the norm after clipping (``grad_norm`` without it, and
+        for a non-finite window: nothing was clipped).
+      skipped: bool, the window was dropped: no parameter change, the inner
+        optimizer did not advance.
+      skip_count: int32, windows skipped since ``init``.
+      skip_reason: int32, a :class:`SkipReason`.
+      loss_scale: float32, the loss scale of the NEXT window (1 without loss
+        scaling).
+    """
+
+    micro_step: jax.Array
+    update_id: jax.Array
+    window_items: jax.Array
+    cumulative_items: jax.Array
+    loss: jax.Array
+    grad_norm: jax.Array
+    grad_norm_clipped: jax.Array
+    skipped: jax.Array
+    skip_count: jax.Array
+    skip_reason: jax.Array
+    loss_scale: jax.Array
+
+
+class MultiStepsState(NamedTuple):
+    """State of :func:`jaxaccum.multi_steps`.
+
+    The window sums (``grad_sum``, ``loss_sum``, ``num_items``) belong to one
+    device between boundaries: with an ``axis_name`` under ``shard_map`` or
+    ``pmap`` each carries a leading axis of length 1 (one row per device in the
+    global array, see :func:`jaxaccum.partition_specs`). Every other leaf is
+    identical on every device. The counters that outlive a window (the update
+    id, the cumulative items, the skip count, the loss scale) live in
+    ``last_window`` only.
+
+    Attributes:
+      window_step: int32, micro-batches accumulated in the open window.
+      micro_step: int32, micro-batches seen since ``init``.
+      good_windows: int32, applied windows since the loss scale last changed
+        (PyTorch ``GradScaler``'s growth tracker).
+      loss_known: bool, every call of the open window passed ``loss_sum``.
+      applied: bool, whether the call that returned this state applied an
+        update.
+      inner_state: the inner optimizer's state.
+      grad_sum: the open window's sum of the gradients of the SUMMED loss
+        (``accumulator_dtype``, float32 by default).
+      loss_sum: the open window's summed loss (``accumulator_dtype``).
+      num_items: the open window's items: valid tokens, samples, or any
+        non-negative weight (``accumulator_dtype``).
+      last_window: the :class:`WindowMetrics` of the last closed window; its
+        ``update_id`` is what ``every_k_schedule`` sees.
+    """
+
+    window_step: jax.Array
+    micro_step: jax.Array
+    good_windows: jax.Array
+    loss_known: jax.Array
+    applied: jax.Array
+    inner_state: Any
+    grad_sum: Any
+    loss_sum: jax.Array
+    num_items: jax.Array
+    last_window: WindowMetrics
+
+
+def first_record(accumulator_dtype: Any, loss_scale: float) -> WindowMetrics:
+    """The record before any window closed: no loss yet (NaN), every counter 0."""
+    zero = lambda dtype=accumulator_dtype: jnp.zeros((), dtype)
+    return WindowMetrics(
+        micro_step=zero(jnp.int32),
+        update_id=zero(jnp.int32),
+        window_items=zero(),
+        cumulative_items=zero(),
+        loss=jnp.full((), jnp.nan, accumulator_dtype),
+        grad_norm=zero(),
+        grad_norm_clipped=zero(),
+        skipped=zero(jnp.bool_),
+        skip_count=zero(jnp.int32),
+        skip_reason=jnp.asarray(SkipReason.APPLIED, jnp.int32),
+        loss_scale=jnp.asarray(loss_scale, jnp.float32),
+    )
+
+
+WINDOW_SUMS = ("grad_sum", "loss_sum", "num_items")
+"""The fields of :class:`MultiStepsState` that belong to one device between boundaries."""
