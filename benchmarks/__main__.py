@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
             global_rows=16 if quick else 64,
             rounds=rounds,
         ),
-        3: lambda: comm.run(small_mlp, k=4, devices=jax.devices("cpu")[:8]),
+        3: lambda: comm.run(small_mlp, k=4, devices=jax.devices("cpu")[:8], rounds=rounds),
         4: lambda: state.run([gpt, mlp], k=4),
         5: lambda: jax_vs_torch.run(
             seq_len=16 if quick else 128, rows=8, k=4, rounds=rounds, device=args.device

@@ -44,9 +44,7 @@ def test_micro_step(mlp):
     section = micro_step.run([micro_step.Case(mlp, rows=2)], k=K, rounds=1)
     results = section.data["results"]
     assert {(r["label"], r["donate"]) for r in results} == {
-        (label, donate)
-        for label in ("jaxaccum", "optax.MultiSteps")
-        for donate in (True, False)
+        (label, donate) for label in ("jaxaccum", "optax.MultiSteps") for donate in (True, False)
     }
     for r in results:
         assert r["window_wall"] > 0 and math.isfinite(r["ratio_window_cpu"])
@@ -75,6 +73,11 @@ def test_all_reduces_per_window(mlp):
         assert theirs["per_window"] == K
         # the same gradient bytes travel, k times for optax.MultiSteps
         assert theirs["bytes_per_window"] >= (K - 0.5) * ours["bytes_per_window"]
+    explicit = results["jaxaccum, jit on an Explicit mesh (axis name)"]
+    gspmd = results["jaxaccum, jit without axis name (GSPMD)"]
+    assert (explicit["micro_step"], explicit["boundary"], explicit["per_window"]) == (0, 1, 1)
+    assert gspmd["per_window"] == K  # the partitioner reduces every micro-step
+    assert gspmd["bytes_per_window"] >= (K - 0.5) * explicit["bytes_per_window"]
 
 
 def test_torch_ddp_all_reduces_per_window():

@@ -11,9 +11,11 @@ that closes the window also makes the loop's one trip. So::
 
 for ``jaxaccum.multi_steps(..., axis_name=...)`` (target: 1) against
 ``optax.MultiSteps`` fed ``pmean``-ed gradients (``k``), under ``pmap`` and
-``shard_map``; plus ``jaxaccum.multi_steps`` without an axis name under
-``jit`` on batch-sharded global arrays, where XLA's partitioner places the
-reductions.
+``shard_map``; ``jaxaccum.multi_steps(..., axis_name=...)`` under plain
+``jit`` on an Explicit mesh (unreduced window sums, target 1); and without an
+axis name under ``jit`` on batch-sharded global arrays, where XLA's
+partitioner places the reductions (``k``). Plus the per-window time of the two
+``jit`` variants, interleaved (informative on CPU).
 
 PyTorch, counted at run time by a DDP communication hook
 (``torch_ref.Scenario(count_comm=True)``): gradient bucket all-reduces per
@@ -26,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
@@ -109,7 +112,15 @@ def _programs(model: Model, k: int, devices: list, rows: int) -> dict[str, tuple
             acc,
         )
 
-    # jit on sharded global arrays, no axis name: the partitioner decides
+    # plain jit on an Explicit mesh with the axis name: unreduced window sums
+    explicit = jax.make_mesh((n,), (AXIS,), devices=devices)  # Explicit axes: the default
+    jit_step, jit_args = _explicit_jit_step(model, explicit, inner, k, rows)
+    out["jaxaccum, jit on an Explicit mesh (axis name)"] = (
+        jit_step.lower(*jit_args).compile().as_text(),
+        True,
+    )
+
+    # jit on sharded global arrays, no axis name: the partitioner decides (GSPMD)
     plain = jaxaccum.multi_steps(inner(), k)
     s = jax.device_put(plain.init(params), NamedSharding(mesh, P()))
 
@@ -118,11 +129,76 @@ def _programs(model: Model, k: int, devices: list, rows: int) -> dict[str, tuple
         u, s = plain.update(g, s, p, num_items=num_items, loss_sum=loss_sum)
         return optax.apply_updates(p, u), s
 
-    out["jaxaccum, jit on sharded arrays (no axis name)"] = (
+    out["jaxaccum, jit without axis name (GSPMD)"] = (
         jax.jit(plain_step).lower(replicated_params, s, global_batch).compile().as_text(),
         True,
     )
     return out
+
+
+def _explicit_jit_step(model: Model, mesh, inner, k: int, rows: int, axis_name: str | None = AXIS):
+    """The README's plain-jit micro-step on ``mesh`` and its first arguments.
+
+    ``axis_name=None``: the same step without it (GSPMD reduces every micro-step).
+    """
+    tx = jaxaccum.multi_steps(inner(), k, axis_name=axis_name)
+    grad_fn = (
+        jaxaccum.value_and_grad(model.loss_fn, axis_name=axis_name)
+        if axis_name
+        else jax.value_and_grad(model.loss_fn, has_aux=True)
+    )
+
+    def step(p, s, b):
+        (loss_sum, num_items), g = grad_fn(p, b)
+        u, s = tx.update(g, s, p, num_items=num_items, loss_sum=loss_sum)
+        return optax.apply_updates(p, u), s
+
+    n = mesh.devices.size
+    local = jax.tree.map(np.asarray, model.batch(rows, 0))
+    with jax.set_mesh(mesh):
+        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(jax.device_put(model.params, P()))
+        state = jax.jit(tx.init)(params)  # fresh buffers: the step donates both
+        batch = jax.device_put(jax.tree.map(lambda x: np.concatenate([x] * n), local), P(AXIS))
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+
+    def under_mesh(*args):
+        with jax.set_mesh(mesh):
+            return jitted(*args)
+
+    under_mesh.lower = lambda *a: _lower_under(mesh, jitted, *a)
+    return under_mesh, (params, state, batch)
+
+
+def _lower_under(mesh, jitted, *args):
+    with jax.set_mesh(mesh):
+        return jitted.lower(*args)
+
+
+def jit_time_ratio(model: Model, *, k: int, devices: list, rows: int, rounds: int) -> dict:
+    """Per-window time, jit with the axis name (1 all-reduce) over jit without (k)."""
+    from benchmarks import _common
+
+    mesh = jax.make_mesh((len(devices),), (AXIS,), devices=devices)
+    inner = lambda: optax.adamw(1e-4)
+    runs = {}
+    for label, axis_name in (("with axis name", AXIS), ("without (GSPMD)", None)):
+        step, (params, state, batch) = _explicit_jit_step(model, mesh, inner, k, rows, axis_name)
+        live = {"params": params, "state": state}
+
+        def window(step=step, live=live, batch=batch):
+            for _ in range(k):
+                live["params"], live["state"] = step(live["params"], live["state"], batch)
+            return live["params"]
+
+        runs[label] = window
+    timings = _common.interleaved(runs, rounds)
+    ours, theirs = timings["with axis name"], timings["without (GSPMD)"]
+    return {
+        "ratio_wall": _common.paired_ratio(ours.walls, theirs.walls),
+        "ratio_cpu": _common.paired_ratio(ours.cpus, theirs.cpus),
+        "spread_wall": _common.paired_spread(ours.walls, theirs.walls),
+        "window_wall": (ours.wall, theirs.wall),
+    }
 
 
 def jax_counts(model: Model, *, k: int, devices: list, rows: int = 2) -> list[dict[str, Any]]:
@@ -182,11 +258,18 @@ def torch_counts(
 
 
 def run(
-    model: Model, *, k: int = 4, devices: list | None = None, torch: bool = True, rows: int = 2
+    model: Model,
+    *,
+    k: int = 4,
+    devices: list | None = None,
+    torch: bool = True,
+    rows: int = 2,
+    rounds: int = 5,
 ) -> Section:
     """The communication section (JAX compiled counts, optional torch DDP counts)."""
     devices = devices or jax.devices("cpu")[:8]
     jax_results = jax_counts(model, k=k, devices=devices, rows=rows)
+    timing = jit_time_ratio(model, k=k, devices=devices, rows=rows, rounds=rounds)
     torch_results = torch_counts(k=k) if torch else []
     rows_ = [
         [
@@ -219,16 +302,27 @@ def run(
             rows_,
         ),
     ]
-    gspmd = next(r for r in jax_results if "no axis" in r["name"])
-    if gspmd["per_window"] > 1:
-        body += [
-            "",
-            f"Under `jit` on batch-sharded arrays without an axis name, the result is still the "
-            f"big-batch update, but the state's `grad_sum` is replicated, so XLA's partitioner "
-            f"all-reduces every micro-step's gradient before adding it ({gspmd['micro_step']} "
-            f"all-reduce(s) on a micro-step's path, {gspmd['per_window']} per window). For one "
-            "all-reduce per window, map the step with `shard_map` or `pmap` and pass `axis_name`.",
-        ]
+    gspmd = next(r for r in jax_results if "GSPMD" in r["name"])
+    explicit = next(r for r in jax_results if "Explicit" in r["name"])
+    body += [
+        "",
+        f"Under plain `jit` on an Explicit mesh with `axis_name`, the window's sums stay "
+        f"unreduced between calls and the boundary all-reduces them once "
+        f"({explicit['micro_step']} all-reduce(s) on a micro-step's path, "
+        f"{explicit['per_window']} per window, {explicit['bytes_per_window'] / 2**20:.2f} MiB: the "
+        f"gradient, the loss and the items together). Without the axis name the result is still "
+        f"the big-batch update, but the state's `grad_sum` is replicated, so XLA's partitioner "
+        f"all-reduces every micro-step's gradient before adding it ({gspmd['micro_step']} on a "
+        f"micro-step's path, {gspmd['per_window']} per window, "
+        f"{gspmd['bytes_per_window'] / 2**20:.2f} MiB).",
+        "",
+        f"Per-window time on these {len(devices)} CPU devices, jit with the axis name over jit "
+        f"without: {timing['ratio_wall']:.2f} wall-clock [rounds {timing['spread_wall']}] "
+        f"({1e3 * timing['window_wall'][0]:.1f} ms vs {1e3 * timing['window_wall'][1]:.1f} ms), "
+        f"{timing['ratio_cpu']:.2f} in CPU time. Informative only: the fake CPU devices share the "
+        "host's cores and memory, so an all-reduce costs little here; the GPU section measures it "
+        "on real interconnect.",
+    ]
     if torch_results:
         body += [
             "",
@@ -241,14 +335,20 @@ def run(
                 [[r["name"], r["per_window"], r["synced_backwards"]] for r in torch_results],
             ),
         ]
-    summary = []
+    summary = [
+        (
+            f"per window, jit with axis name / jit without (GSPMD), {len(devices)} CPU devices",
+            f"{timing['ratio_wall']:.2f} [rounds {timing['spread_wall']}]",
+            "(none; informative on CPU)",
+            None,
+        )
+    ]
     for r in jax_results:
-        target = {True: "1", False: str(k)}["jaxaccum" in r["name"] and "no axis" not in r["name"]]
-        met = None
-        if "no axis" not in r["name"]:
-            met = r["per_window"] == int(target)
+        if "GSPMD" in r["name"]:
+            target, met = f"{k} (informative: the partitioner's)", r["per_window"] == k
         else:
-            target = "(none; informative)"
+            target = "1" if r["name"].startswith("jaxaccum") else str(k)
+            met = r["per_window"] == int(target)
         summary.append(
             (f"gradient all-reduces per window, {r['name']}", str(r["per_window"]), target, met)
         )

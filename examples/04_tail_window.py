@@ -40,7 +40,9 @@ def epoch(seed: int = 0) -> np.ndarray:
 def micro_step(w, state, a, end_window):
     loss_fn = lambda w: (jnp.sum(w * a), jnp.float32(a.size))  # (loss_sum, valid tokens)
     (loss_sum, num_items), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
-    update, state = TX.update(grad, state, w, num_items=num_items, loss_sum=loss_sum, end_window=end_window)
+    update, state = TX.update(
+        grad, state, w, num_items=num_items, loss_sum=loss_sum, end_window=end_window
+    )
     return w + update, state, -update  # with lr 1: -update is the window gradient
 
 
@@ -71,9 +73,7 @@ def main() -> int:
         )
         # float32 means of 8-32 numbers near 1: 1e-6 relative
         assert abs(ours - big) <= 1e-6 * big
-        assert int(metrics.update_id) == i + 1 and int(metrics.window_items) == TOKENS * len(
-            window
-        )
+        assert int(metrics.update_id) == i + 1 and int(metrics.window_items) == TOKENS * len(window)
         assert abs(fixed / big - len(window) / K) <= 1e-6  # the tail: 2 / 4
 
     # The same epoch without end_window: the tail stays open.

@@ -99,7 +99,11 @@ def part_nan() -> None:
         f" (windows [1, 2] and [3, 4]: the boundaries moved)"
     )
     # float32 arithmetic on a few numbers of order 1: 1e-6
-    assert abs(w - expected) <= 1e-6 and int(state.last_window.update_id) == 2 and int(state.last_window.skip_count) == 1
+    assert (
+        abs(w - expected) <= 1e-6
+        and int(state.last_window.update_id) == 2
+        and int(state.last_window.skip_count) == 1
+    )
     assert math.isnan(plain) and plain_updates == 3  # the NaN survives every later window
     assert abs(per_mb - (1.0 - LR * (1.5 + 3.5))) <= 1e-6 and per_mb_updates == 2
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state))  # the state keeps no NaN

@@ -8,7 +8,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxaccum import _sharding
 from jaxaccum._normalize import normalize_window
+from jaxaccum._sharding import Layout
 
 
 def accumulate_gradients(
@@ -34,8 +36,9 @@ def accumulate_gradients(
         differentiated), e.g. :func:`jaxaccum.losses.causal_lm`.
       params: the parameters.
       microbatches: pytree whose leaves have a leading micro-batch axis ``k``.
-      axis_name: the ``pmap``/``shard_map`` axis to add the sums over, or
-        ``None`` (one device, or ``jit`` over sharded global arrays).
+      axis_name: the mesh axis the batch is split over (``jax.jit`` on an
+        Explicit mesh, ``shard_map`` or ``pmap``), or ``None`` (one device, or
+        ``jit`` with the partitioner reducing each micro-batch).
       accumulator_dtype: dtype of the three sums.
 
     Returns:
@@ -51,12 +54,44 @@ def accumulate_gradients(
       >>> float(grads), float(metrics['loss'])  # (3 * -2 + 1 * -10) / 4, (3 * 1 + 25) / 4
       (-4.0, 7.0)
     """
+    where = _sharding.layout(axis_name)
+    if where is Layout.UNREDUCED and _sharding.batch_only_mesh(axis_name):
+        # under jit, every mesh axis a batch axis: the per-device scan in a shard_map
+        def per_device(params, microbatches):
+            return _window(loss_fn, params, microbatches, axis_name, Layout.PER_DEVICE,
+                           accumulator_dtype)  # fmt: skip
+
+        gathered = jax.tree.map(_sharding.gather, params)  # FSDP leaves: all-gathered
+        in_specs = (
+            jax.tree.map(lambda _: jax.P(), params),
+            jax.tree.map(_sharding.spec_of, microbatches),
+        )
+        totals = jax.shard_map(per_device, in_specs=in_specs, out_specs=jax.P())(
+            gathered, microbatches
+        )
+        totals = totals._replace(grads=jax.tree.map(_sharding.like, totals.grads, params))
+    else:
+        totals = _window(loss_fn, params, microbatches, axis_name, where, accumulator_dtype)
+    grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), totals.grads, params)
+    metrics = {
+        "loss": totals.loss,
+        "window_items": totals.window_items,
+        "grad_norm": totals.grad_norm,
+    }
+    return grads, metrics
+
+
+def _window(loss_fn, params, microbatches, axis_name, where, accumulator_dtype):
+    """The scan over the micro-batches and the window's normalization."""
     value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+    # Differentiate per device (parameters cast to varying under shard_map, to
+    # reduced under jit): with respect to replicated ones JAX would reduce every
+    # micro-batch's gradient; here the only reduction is the one after the scan.
     local_params = params
-    if axis_name is not None:
-        # Differentiate per device: w.r.t. replicated params JAX would psum every
-        # micro-batch's gradient; here the only psum is the one after the scan.
+    if where is Layout.PER_DEVICE:
         local_params = jax.lax.pcast(params, axis_name, to="varying")
+    elif where is Layout.UNREDUCED:
+        local_params = _sharding.to_reduced(params, axis_name)
 
     def add_microbatch(sums, microbatch):
         grad_sum, loss_sum, num_items = sums
@@ -66,20 +101,12 @@ def accumulate_gradients(
         return (grad_sum, loss_sum + as_sum(mb_loss), num_items + as_sum(mb_items)), None
 
     zero = jnp.zeros((), accumulator_dtype)
-    zeros = (
-        jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), accumulator_dtype), params),
-        zero,
-        zero,
+    grad_zeros = jax.tree.map(
+        lambda p: _sharding.zero_sum(p, accumulator_dtype, axis_name, where), params
     )
-    if axis_name is not None:
+    zeros = (jax.tree.map(lambda z: _sharding.from_stored(z, where), grad_zeros), zero, zero)
+    if where is Layout.PER_DEVICE:
         # The sums vary across devices: declare it, so the scan carry type is stable.
         zeros = jax.tree.map(lambda x: jax.lax.pcast(x, axis_name, to="varying"), zeros)
     (grad_sum, loss_sum, num_items), _ = jax.lax.scan(add_microbatch, zeros, microbatches)
-    totals = normalize_window(grad_sum, loss_sum, num_items, axis_name=axis_name)
-    grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), totals.grads, params)
-    metrics = {
-        "loss": totals.loss,
-        "window_items": totals.window_items,
-        "grad_norm": totals.grad_norm,
-    }
-    return grads, metrics
+    return normalize_window(grad_sum, loss_sum, num_items, axis_name=axis_name)

@@ -139,6 +139,24 @@ def mismatched_axis_name():
     shard_map_step(sgd(axis_name="batch"), grad_fn)
 
 
+def auto_axis_under_jit():
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    with jax.set_mesh(mesh):
+        sgd(axis_name="data").init(PARAMS)
+
+
+def replicated_grads_under_explicit_jit():
+    mesh = jax.make_mesh((4,), ("data",))
+    tx = sgd(axis_name="data")
+    with jax.set_mesh(mesh):
+        params = jax.device_put(PARAMS, P())
+        state = tx.init(params)
+        x = jax.device_put(jnp.ones((8, 2)), P("data"))
+        # with respect to the replicated params: the partitioner all-reduces every call
+        grads_of = lambda p, x: jax.grad(lambda p: jnp.sum(x @ p["w"]))(p)
+        jax.jit(lambda p, s, x: tx.update(grads_of(p, x), s, p, num_items=8)[1])(params, state, x)
+
+
 def state_without_axis_to_tx_with_axis():
     plain_state = sgd().init(PARAMS)
     tx = sgd(axis_name="data")
@@ -247,6 +265,8 @@ RAISES = [
     ("axis_name_unbound_eager", partial(axis_name_unbound, jit=False), NameError),
     ("axis_name_unbound_jit", partial(axis_name_unbound, jit=True), NameError),
     ("axis_name_mismatched_in_shard_map", mismatched_axis_name, NameError),
+    ("axis_name_on_an_auto_mesh", auto_axis_under_jit, ValueError),
+    ("grads_replicated_under_explicit_jit", replicated_grads_under_explicit_jit, ValueError),
     ("grads_already_summed_by_autodiff", grads_summed_by_autodiff, ValueError),
     (
         "grads_already_summed_python_int_items",

@@ -242,7 +242,7 @@ def grads(grads: Any, grad_sum: Any, *, per_device: bool) -> None:
 
 
 def update_call(
-    grads_value, state, num_items_value, loss_sum, end_window, extra_args, axis_name
+    grads_value, state, num_items_value, loss_sum, end_window, extra_args, layout
 ) -> None:
     """Refuses a bad call before anything is computed: the state is never touched."""
     where = "multi_steps.update"
@@ -260,7 +260,4 @@ def update_call(
     if loss_sum is not None:
         scalar(loss_sum, "loss_sum", where=where, kind="real", expected="a real number")
     scalar(end_window, "end_window", where=where, kind="bool", expected="a bool scalar")
-    grads(grads_value, state.grad_sum, per_device=axis_name is not None)
-    if axis_name is not None:
-        _sharding.check_axis_bound(axis_name)
-        _sharding.check_per_device_grads(grads_value, axis_name)
+    grads(grads_value, state.grad_sum, per_device=layout is _sharding.Layout.PER_DEVICE)

@@ -121,6 +121,31 @@ def run_pmap(windows: dict, layout: Layout) -> dict:
     return jax.tree.map(lambda x: np.asarray(x)[0], params)
 
 
+def run_explicit_jit(windows: dict, layout: Layout) -> tuple[dict, list]:
+    """Plain jax.jit on an Explicit mesh with the axis name: unreduced window sums."""
+    mesh = jax.make_mesh((layout.devices,), ("data",))  # Explicit axes: JAX's default
+    tx = jaxaccum.multi_steps(adamw(), layout.k, axis_name="data")
+    grad_fn = jaxaccum.value_and_grad(tiny_lm_loss, axis_name="data")
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, state, batch):
+        (loss_sum, num_items), grads = grad_fn(params, batch)
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
+        return optax.apply_updates(params, updates), state
+
+    records = []
+    with jax.set_mesh(mesh):
+        params = jax.device_put(tiny_lm_params(), P())
+        state = tx.init(params)
+        for w in range(NUM_UPDATES):
+            for m in range(layout.k):
+                # the m-th micro-batch of every device, as one global batch split over "data"
+                batch = jax.tree.map(lambda x: x[w, :, m].reshape(-1, x.shape[-1]), windows)
+                params, state = step(params, state, jax.device_put(batch, P("data")))
+            records.append(jax.device_get(jaxaccum.window_metrics(state)))
+    return params, records
+
+
 def run_sharded_jit(windows: dict, layout: Layout) -> dict:
     """Global arrays sharded over the devices; no axis name: sums are global."""
     mesh = jax.make_mesh((layout.devices,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -185,14 +210,26 @@ def test_shard_map_equals_big_batch(layout):
     params, records = run_shard_map(windows, layout)
     assert max_abs_diff(params, reference) < PARAM_ATOL
 
-    # the records count the global window: exact integers in float32
-    expected_counts = per_device.sum(-1)
-    np.testing.assert_array_equal([r.window_items for r in records], expected_counts)
+    check_records(records, layout, per_device)
+
+
+def check_records(records, layout, per_device):
+    """The records count the global window: exact integers in float32."""
+    expected = per_device.sum(-1)
+    np.testing.assert_array_equal([r.window_items for r in records], expected)
     np.testing.assert_array_equal([r.update_id for r in records], np.arange(1, NUM_UPDATES + 1))
-    np.testing.assert_array_equal([r.cumulative_items for r in records], np.cumsum(expected_counts))
+    np.testing.assert_array_equal([r.cumulative_items for r in records], np.cumsum(expected))
     np.testing.assert_array_equal(
         [r.micro_step for r in records], layout.k * np.arange(1, NUM_UPDATES + 1)
     )
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
+def test_explicit_jit_equals_big_batch(layout):
+    windows, reference, per_device = scenario(layout)
+    params, records = run_explicit_jit(windows, layout)
+    assert max_abs_diff(params, reference) < PARAM_ATOL
+    check_records(records, layout, per_device)
 
 
 @pytest.mark.parametrize("layout", LAYOUT_SUBSET, ids=layout_id)

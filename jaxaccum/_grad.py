@@ -1,12 +1,16 @@
-"""`value_and_grad`: the gradient multi_steps expects, in one call."""
+"""`value_and_grad`: the gradient multi_steps expects, in one call, in every data-parallel mode."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from jaxaccum import _sharding
+from jaxaccum._sharding import Layout
 
 
 def value_and_grad(
@@ -19,10 +23,30 @@ def value_and_grad(
     The returned function ``f(params, *args, loss_scale=1.0)`` gives
     ``((loss_sum, num_items), grads)`` where ``grads`` is the gradient of
     ``loss_scale * loss_sum`` and ``loss_sum`` is unscaled: exactly what
-    ``multi_steps(...).update`` takes. With ``axis_name`` (inside ``shard_map``)
-    the parameters are first marked as varying per device, so each device keeps
-    its own gradient and no collective runs before the window boundary (JAX's
-    autodiff would otherwise sum the gradient over the axis at every call).
+    ``multi_steps(...).update`` takes. ``params`` may be a pytree or a
+    ``flax.nnx.Module`` (then ``loss_fn`` takes the module, ``grads`` is the
+    ``nnx.State`` of its ``nnx.Param``\\ s as ``nnx.value_and_grad`` gives it,
+    and the module's other state is written back).
+
+    With ``axis_name`` the three values stay per device until the window's
+    boundary, where ``multi_steps`` reduces them once:
+
+    * under ``jax.jit`` on a mesh whose axes are all batch axes (Explicit, the
+      default of ``jax.make_mesh``), ``loss_fn`` runs per device on its rows (a
+      ``shard_map`` inside your ``jit``) and the gradient, the loss and the
+      items come out ``unreduced``: no collective on the micro-step. Parameters
+      sharded over the axis (FSDP) are gathered first and their gradient
+      scattered back to their shards (a reduction per micro-step);
+    * under ``jax.jit`` on a mesh with other axes too (tensor parallelism), the
+      parameters are cast to ``reduced`` over the batch axis, so their
+      gradients come out ``unreduced`` and the model's own sharding annotations
+      stay valid. JAX accepts a reduced parameter in a matmul or a gather; where
+      one meets batch-sharded activations elementwise (a bias, a norm scale),
+      cast it back with ``jax.reshard(p, jax.P())`` in the model (its gradient,
+      small, is then reduced on every micro-step);
+    * inside ``jax.shard_map``, the parameters are marked as varying, so each
+      device keeps its own gradient (JAX's autodiff would otherwise sum it over
+      the axis at every call).
 
     Example:
       >>> import jax.numpy as jnp
@@ -32,16 +56,85 @@ def value_and_grad(
       (18.0, 2.0, 48.0)
     """
 
-    def scaled_loss(params, *args, loss_scale):
-        loss_sum, num_items = loss_fn(params, *args)
-        return loss_sum * jnp.asarray(loss_scale, loss_sum.dtype), (loss_sum, num_items)
-
-    grad_fn = jax.grad(scaled_loss, has_aux=True)
-
     def wrapped(params, *args, loss_scale: Any = 1.0):
-        if axis_name is not None:
-            params = jax.lax.pcast(params, axis_name, to="varying")
-        grads, (loss_sum, num_items) = grad_fn(params, *args, loss_scale=loss_scale)
-        return (loss_sum, num_items), grads
+        nnx = sys.modules.get("flax.nnx")
+        if nnx is not None and isinstance(params, nnx.Module):
+            return _nnx_value_and_grad(nnx, loss_fn, axis_name, params, args, loss_scale)
+
+        def objective(params, *args):
+            loss_sum, num_items = loss_fn(params, *args)
+            scaled = loss_sum * jnp.asarray(loss_scale, loss_sum.dtype)
+            return scaled, ((loss_sum, num_items), ())
+
+        grads, (values, _) = _differentiate(objective, params, args, axis_name)
+        return values, grads
 
     return wrapped
+
+
+def _differentiate(objective, params, args, axis_name):
+    """``jax.grad(objective, has_aux=True)`` with the gradient kept per device.
+
+    ``objective(params, *args) -> (scaled loss, (values, extra))``: ``values``
+    (the loss and the items) are per-device sums like the gradient; ``extra``
+    is replicated state to hand back (an NNX module's non-parameter state).
+    Returns ``(grads, (values, extra))``.
+    """
+    grad = jax.grad(objective, has_aux=True)
+    where = _sharding.layout(axis_name)
+    if where is Layout.PER_DEVICE:
+        # cast first, then differentiate: the gradient with respect to the cast
+        # parameters is the per-device one (a cast inside would transpose to a sum)
+        return grad(jax.lax.pcast(params, axis_name, to="varying"), *args)
+    if where is Layout.UNREDUCED and not _sharding.batch_only_mesh(axis_name):
+        return grad(_sharding.to_reduced(params, axis_name), *args)
+    if where is Layout.UNREDUCED:
+        return _per_device_under_jit(grad, params, args, axis_name)
+    return grad(params, *args)
+
+
+def _per_device_under_jit(grad, params, args, axis_name):
+    """The gradient of each device's rows, as ``unreduced`` arrays (no collective).
+
+    A ``shard_map`` over the mesh (every axis a batch axis): each device
+    differentiates its own rows with respect to its copy of the parameters, and
+    the gradient and the values leave it as partial sums, ``unreduced``.
+    """
+    sharded = jax.tree.map(lambda p: _sharding.uses(_sharding.spec_of(p), axis_name), params)
+    gathered = jax.tree.map(  # FSDP leaves: all-gathered for the step
+        lambda p, s: _sharding.gather(p) if s else p, params, sharded
+    )
+
+    def per_device(params, args):
+        grads, (values, extra) = grad(jax.lax.pcast(params, axis_name, to="varying"), *args)
+        partial_sums = jax.tree.map(lambda x: _sharding.as_unreduced(x, axis_name), (grads, values))
+        return partial_sums, extra
+
+    in_specs = (jax.tree.map(lambda _: jax.P(), params), jax.tree.map(_sharding.spec_of, args))
+    unreduced = jax.P(unreduced=frozenset(_sharding.axes(axis_name)))
+    (grads, values), extra = jax.shard_map(
+        per_device, in_specs=in_specs, out_specs=((unreduced, unreduced), jax.P())
+    )(gathered, args)
+    grads = jax.tree.map(  # FSDP leaves: back to their shards (a reduce-scatter)
+        lambda g, p, s: _sharding.scatter_like(g, p) if s else g, grads, params, sharded
+    )
+    return grads, (values, extra)
+
+
+def _nnx_value_and_grad(nnx, loss_fn, axis_name, model, args, loss_scale):
+    """The same for a ``flax.nnx`` module: differentiate its ``nnx.Param`` state.
+
+    The rest of the module's state (RNG counts, statistics) is written back, as
+    ``nnx.value_and_grad`` does.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def objective(params, rest, *args):
+        module = nnx.merge(graphdef, params, rest)
+        loss_sum, num_items = loss_fn(module, *args)
+        scaled = loss_sum * jnp.asarray(loss_scale, loss_sum.dtype)
+        return scaled, ((loss_sum, num_items), nnx.state(module, nnx.Not(nnx.Param)))
+
+    grads, (values, new_rest) = _differentiate(objective, params, (rest, *args), axis_name)
+    nnx.update(model, new_rest)
+    return values, grads

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxaccum import _checks, _sharding
+from jaxaccum._sharding import Layout
 from jaxaccum._loss_scale import DynamicLossScale, next_loss_scale
 from jaxaccum._normalize import clip_by_global_norm, normalize_window
 from jaxaccum._state import MultiStepsState, SkipReason, WindowMetrics, first_record
@@ -50,10 +51,12 @@ def multi_steps(
         schedule counts updates, never micro-steps.
       every_k_schedule: micro-batches per window: an int, or a function of the
         update id (the number of applied updates) returning an int.
-      axis_name: the mesh axis the batch is split over, under ``shard_map`` or
-        ``pmap``; ``None`` on one device, or for ``jit`` over globally sharded
-        arrays (the sums are then global and the partitioner reduces each
-        micro-step).
+      axis_name: the mesh axis the batch is split over. Under ``jax.jit`` on a
+        mesh whose axis is Explicit (``jax.make_mesh``'s default; call ``init``
+        under ``jax.set_mesh``), the window's sums stay unreduced over it between
+        calls; under ``jax.shard_map`` or ``jax.pmap`` they stay per device.
+        Either way the boundary reduces them once. ``None``: one device, or
+        ``jit`` letting the partitioner reduce every micro-step (GSPMD).
       max_grad_norm: clip the window gradient to this global L2 norm, once per
         window, with PyTorch's ``clip_grad_norm_`` formula; ``None``: no clip.
       accumulator_dtype: dtype of the three sums (float32 by default, also for
@@ -100,12 +103,12 @@ def multi_steps(
     _checks.one_of(nonfinite, "nonfinite", ("skip", "raise"), where="multi_steps")
     _checks.instance_or_none(loss_scaling, "loss_scaling", DynamicLossScale, where="multi_steps")
     inner = optax.with_extra_args_support(inner)
-    stored = lambda x: _sharding.to_stored(x, axis_name)
-    unstored = lambda x: _sharding.from_stored(x, axis_name)
     zero = lambda dtype=accumulator_dtype: jnp.zeros((), dtype)
 
     def init_fn(params: Any) -> MultiStepsState:
         scale = 1.0 if loss_scaling is None else loss_scaling.init_scale
+        where = _sharding.layout(axis_name)
+        stored = lambda x: _sharding.to_stored(x, where)
         return MultiStepsState(
             window_step=zero(jnp.int32),
             micro_step=zero(jnp.int32),
@@ -114,10 +117,10 @@ def multi_steps(
             applied=zero(jnp.bool_),
             inner_state=inner.init(params),
             grad_sum=jax.tree.map(
-                lambda p: stored(jnp.zeros(jnp.shape(p), accumulator_dtype)), params
+                lambda p: _sharding.zero_sum(p, accumulator_dtype, axis_name, where), params
             ),
-            loss_sum=stored(zero()),
-            num_items=stored(zero()),
+            loss_sum=_sharding.zero_sum(zero(), accumulator_dtype, axis_name, where),
+            num_items=_sharding.zero_sum(zero(), accumulator_dtype, axis_name, where),
             last_window=first_record(accumulator_dtype, scale),
         )
 
@@ -131,8 +134,15 @@ def multi_steps(
         end_window: Any = False,
         **extra_args: Any,
     ) -> tuple[Any, MultiStepsState]:
-        _checks.update_call(grads, state, num_items, loss_sum, end_window, extra_args, axis_name)
+        where = _sharding.layout(axis_name)
+        _checks.update_call(grads, state, num_items, loss_sum, end_window, extra_args, where)
+        if where is Layout.PER_DEVICE:
+            _sharding.check_axis_bound(axis_name)
+        if where is not Layout.GLOBAL:
+            _sharding.check_grads(grads, state.grad_sum, axis_name, where)
         grads = jax.tree.map(jnp.asarray, grads)  # Python float leaves are accepted
+        stored = lambda x: _sharding.to_stored(x, where)
+        unstored = lambda x: _sharding.from_stored(x, where)
         grad_dtypes = jax.tree.map(lambda g: g.dtype, grads)
         # Arrays among the extra arguments travel in the loop carry; the rest are constants.
         dynamic = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
@@ -142,7 +152,11 @@ def multi_steps(
             return inner.update(window_grads, inner_state, params, **static, **dynamic)
 
         # 1. Every call: add this micro-batch to the window sums. Nothing else.
-        as_sum = lambda x: stored(jnp.reshape(jnp.asarray(x, accumulator_dtype), ()))
+        def as_sum(x, window_sum):
+            x = stored(jnp.reshape(jnp.asarray(x, accumulator_dtype), ()))
+            # under jit, a global (replicated) value joins the partial sums as it is
+            return _sharding.like(x, window_sum) if where is Layout.UNREDUCED else x
+
         window_step = state.window_step + 1
         close = (window_step >= window_size(state.last_window.update_id)) | jnp.asarray(end_window)
         added = state._replace(
@@ -153,15 +167,18 @@ def multi_steps(
             grad_sum=jax.tree.map(
                 lambda s, g: s + stored(g.astype(s.dtype)), state.grad_sum, grads
             ),
-            loss_sum=state.loss_sum + as_sum(0.0 if loss_sum is None else loss_sum),
-            num_items=state.num_items + as_sum(num_items),
+            loss_sum=state.loss_sum + as_sum(0.0 if loss_sum is None else loss_sum, state.loss_sum),
+            num_items=state.num_items + as_sum(num_items, state.num_items),
         )
 
         # 2. At a boundary, and only there: reduce once, divide once, clip, step.
         def inner_step(slot, inner_state, window_grads, params, dynamic):
             updates, new_inner = inner_update(window_grads, inner_state, params, dynamic)
-            updates = jax.tree.map(lambda u, s: u.astype(s.dtype), updates, slot)
-            new_inner = jax.tree.map(lambda n, o: n.astype(o.dtype), new_inner, inner_state)
+            # the types of the loop carry: dtypes, and shardings (an inner state sharded
+            # over the batch axis, ZeRO-1, gives sharded updates: gathered here)
+            like = lambda x, y: _sharding.like(x.astype(y.dtype), y)
+            updates = jax.tree.map(like, updates, slot)
+            new_inner = jax.tree.map(like, new_inner, inner_state)
             return updates, new_inner, window_grads, params, dynamic
 
         def boundary(slot, state, params, dynamic):
@@ -223,18 +240,21 @@ def multi_steps(
             )
             return slot, state, params, dynamic
 
-        # The updates' slot has the inner optimizer's update dtypes. On one device
-        # it starts as this call's gradient, a buffer that is dead once added to
-        # the sum, so XLA reuses it instead of writing zeros.
+        # The updates' slot: the inner optimizer's update dtypes, the parameters'
+        # shardings. On one device it starts as this call's gradient, a buffer that is
+        # dead once added to the sum, so XLA reuses it instead of writing zeros.
         grad_types = jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g), g.dtype), grads)
-        update_types = jax.eval_shape(inner_update, grad_types, state.inner_state, params, dynamic)[
-            0
-        ]
-        reusable = lambda g, u: axis_name is None and jnp.shape(g) == u.shape
+        update_types = jax.eval_shape(inner_update, grad_types, state.inner_state, params, dynamic)
+        reusable = lambda g, u: where is Layout.GLOBAL and jnp.shape(g) == u.shape
         slot = jax.tree.map(
-            lambda g, u: g.astype(u.dtype) if reusable(g, u) else jnp.zeros(u.shape, u.dtype),
+            lambda g, s, u: (
+                g.astype(u.dtype)
+                if reusable(g, u)
+                else _sharding.reduced_zeros(unstored(s), u.dtype)
+            ),
             grads,
-            update_types,
+            state.grad_sum,
+            update_types[0],
         )
         slot, new_state, *_ = _once_if(close, boundary, slot, added, params, dynamic)
         # Zero unless this call applied an update (a select: no NaN can leak).

@@ -46,7 +46,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path) -> list[dict]:
+def launch(tmp_path, mode) -> list[dict]:
     """Runs the 2 worker processes; kills both on failure or timeout."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
@@ -66,6 +66,7 @@ def launch(tmp_path) -> list[dict]:
                         str(NUM_PROCESSES),
                         str(port),
                         str(outs[i]),
+                        mode,
                     ],
                     cwd=REPO_ROOT,
                     env=env,
@@ -95,11 +96,13 @@ def launch(tmp_path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference():
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[: worker.DEVICES]), (worker.AXIS,))
-    return worker.train(mesh, worker.scenario())
+    """One process, 4 of its 8 fake devices, shard_map: the multi-host runs' reference."""
+    mesh = jax.make_mesh((worker.DEVICES,), (worker.AXIS,), devices=jax.devices()[: worker.DEVICES])
+    return worker.train(mesh, worker.scenario(), "shard_map")
 
 
-def test_two_processes_give_the_single_process_updates(tmp_path, reference):
+@pytest.mark.parametrize("mode", ["shard_map", "jit"])
+def test_two_processes_give_the_single_process_updates(tmp_path, reference, mode):
     windows = worker.scenario()
     per_device = (
         (windows["labels"][..., 1:] != -100).reshape(worker.WINDOWS, worker.DEVICES, -1).sum(-1)
@@ -107,7 +110,7 @@ def test_two_processes_give_the_single_process_updates(tmp_path, reference):
     for counts in per_device:  # the data is as skewed as promised
         assert len(set(counts.tolist())) == worker.DEVICES and counts[-1] == 0
 
-    results = launch(tmp_path)
+    results = launch(tmp_path, mode)
 
     # each process fed its own 2 devices of the global mesh
     assert [r["devices"].tolist() for r in results] == [[0, 1], [2, 3]]

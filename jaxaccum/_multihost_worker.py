@@ -1,6 +1,6 @@
 """One process of the multi-host test (launched by ``_multihost_test.py``).
 
-``python -m jaxaccum._multihost_worker PROCESS_ID NUM_PROCESSES PORT OUT.npz``
+``python -m jaxaccum._multihost_worker PROCESS_ID NUM_PROCESSES PORT OUT.npz MODE``
 joins a ``jax.distributed`` job on 127.0.0.1:PORT with 2 CPU devices per
 process and gloo collectives, and trains the same scenario as the
 single-process reference: ``multi_steps(axis_name='data')`` under
@@ -14,6 +14,7 @@ process on 4 of its 8 fake devices.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from functools import partial
 
@@ -35,8 +36,11 @@ def scenario() -> dict[str, np.ndarray]:
     return skewed_windows(Layout(DEVICES, K, MICRO_BATCH), WINDOWS, seed=SEED)
 
 
-def train(mesh, local_windows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def train(mesh, local_windows: dict[str, np.ndarray], mode: str) -> dict[str, np.ndarray]:
     """Trains on ``mesh``; ``local_windows`` holds this process's devices only.
+
+    ``mode`` is ``"shard_map"`` (the step mapped over the mesh) or ``"jit"``
+    (plain ``jax.jit`` under ``jax.set_mesh``, unreduced window sums).
 
     Returns this process's view of the final (replicated) parameters and of the
     window record after each window, as numpy arrays.
@@ -58,35 +62,45 @@ def train(mesh, local_windows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         lambda x: jax.make_array_from_process_local_data(replicated, np.asarray(x)),
         tiny_lm_params(),
     )
-    specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, params), AXIS)
-    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
     grad_fn = jaxaccum.value_and_grad(tiny_lm_loss, axis_name=AXIS)
-
-    @jax.jit
-    @partial(
-        jax.shard_map,
-        mesh=mesh,
-        in_specs=(P(), specs, P(AXIS)),
-        out_specs=(P(), specs, P()),
-    )
-    def step(params, state, batch):
-        batch = jax.tree.map(lambda x: x[0], batch)  # this device's micro-batch
-        (loss_sum, num_items), grads = grad_fn(params, batch)
-        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
-        return optax.apply_updates(params, updates), state, jaxaccum.window_metrics(state)
-
     per_device = NamedSharding(mesh, P(AXIS))
     local = lambda x: np.asarray(x.addressable_data(0))
+    if mode == "shard_map":
+        specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, params), AXIS)
+        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+        @jax.jit
+        @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs))
+        def step(params, state, batch):
+            batch = jax.tree.map(lambda x: x[0], batch)  # this device's micro-batch
+            (loss_sum, num_items), grads = grad_fn(params, batch)
+            updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
+            return optax.apply_updates(params, updates), state
+
+        as_global = lambda x: x  # [local devices, micro_batch, seq], one row per device
+    else:
+
+        @jax.jit
+        def step(params, state, batch):  # batch: the global micro-batch, rows over AXIS
+            (loss_sum, num_items), grads = grad_fn(params, batch)
+            updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
+            return optax.apply_updates(params, updates), state
+
+        with jax.set_mesh(mesh):
+            state = jax.jit(tx.init)(params)
+        as_global = lambda x: x.reshape(-1, x.shape[-1])  # [local rows, seq]
     records = []
-    for w in range(WINDOWS):
-        for m in range(K):
-            # [local devices, micro_batch, seq] -> global [devices, micro_batch, seq]
-            batch = jax.tree.map(
-                lambda x: jax.make_array_from_process_local_data(per_device, x[w, :, m]),
-                local_windows,
-            )
-            params, state, metrics = step(params, state, batch)
-        records.append(jax.tree.map(local, metrics)._asdict())
+    with jax.set_mesh(mesh) if mode == "jit" else contextlib.nullcontext():
+        for w in range(WINDOWS):
+            for m in range(K):
+                batch = jax.tree.map(
+                    lambda x: jax.make_array_from_process_local_data(
+                        per_device, as_global(x[w, :, m])
+                    ),
+                    local_windows,
+                )
+                params, state = step(params, state, batch)
+            records.append(jax.tree.map(local, jaxaccum.window_metrics(state))._asdict())
     out = {f"params/{name}": local(value) for name, value in params.items()}
     for key in records[0]:
         out[f"metrics/{key}"] = np.stack([r[key] for r in records])
@@ -94,7 +108,8 @@ def train(mesh, local_windows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def main(argv: list[str]) -> None:
-    process_id, num_processes, port, out_path = (int(argv[0]), int(argv[1]), int(argv[2]), argv[3])
+    process_id, num_processes, port = int(argv[0]), int(argv[1]), int(argv[2])
+    out_path, mode = argv[3], argv[4]
     import jax
 
     jax.config.update("jax_platforms", "cpu")
@@ -113,7 +128,7 @@ def main(argv: list[str]) -> None:
         # which slice of the global device axis this process feeds
         mine = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == process_id]
         windows = {name: value[:, mine] for name, value in scenario().items()}
-        out = train(mesh, windows)
+        out = train(mesh, windows, mode)
         out["devices"] = np.asarray(mine)
         np.savez(out_path, **out)
     finally:

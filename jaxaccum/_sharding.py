@@ -1,27 +1,214 @@
-"""Where the window sums live between boundaries, and how they are reduced.
+"""Where the window sums live between boundaries, and how they are reduced once.
 
-``axis_name`` always names the mesh axis the batch is split over. Under
-``shard_map`` or ``pmap`` each device holds its own window sums (a leading
-axis of length 1 per device, so that the global state stacks one row per
-device) and the boundary adds them with one ``psum``. Without an
-``axis_name`` the sums are whatever the gradients are (global sums under
-``jit`` on sharded arrays) and nothing is reduced.
+``axis_name`` always names the mesh axis the batch is split over. One code
+path, three ways to run it, told apart by the axis's type where ``update``
+runs:
+
+* ``jax.jit`` on a mesh whose axis is Explicit (``jax.make_mesh``'s default):
+  the gradient with respect to parameters cast to ``reduced`` comes out
+  ``unreduced`` (each device holds a partial sum), the window's gradient sum
+  stays unreduced in the state, and the boundary's ``jax.reshard`` to the
+  parameters' sharding is the one all-reduce (:attr:`Layout.UNREDUCED`);
+* ``jax.shard_map`` (a Manual axis) or ``jax.pmap``: each device holds its own
+  sums, with a leading axis of length 1 (one row per device in the global
+  array, :func:`partition_specs`), and the boundary ``psum``-s them
+  (:attr:`Layout.PER_DEVICE`);
+* no ``axis_name``: the sums are what the gradients are (global sums under
+  ``jit`` on sharded arrays, where the partitioner reduces every micro-step's
+  gradient) and nothing is reduced (:attr:`Layout.GLOBAL`).
 """
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum._state import WINDOW_SUMS, MultiStepsState
+from jaxaccum._state import MultiStepsState
 
 AxisName = str | tuple[str, ...]
 
 
-def _axes(axis_name: AxisName) -> tuple[str, ...]:
+class Layout(enum.Enum):
+    """How the window sums are held between boundaries (module docstring)."""
+
+    GLOBAL = "global"
+    PER_DEVICE = "per_device"
+    UNREDUCED = "unreduced"
+
+
+def axes(axis_name: AxisName) -> tuple[str, ...]:
+    """``axis_name`` as a tuple of mesh axis names."""
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def layout(axis_name: AxisName | None) -> Layout:
+    """The :class:`Layout` of the window sums where this runs (the mesh in context)."""
+    if axis_name is None:
+        return Layout.GLOBAL
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and all(a in mesh.axis_names for a in axes(axis_name)):
+        types = {mesh.axis_types[mesh.axis_names.index(a)] for a in axes(axis_name)}
+        if types == {AxisType.Manual}:
+            return Layout.PER_DEVICE
+        if types == {AxisType.Explicit}:
+            return Layout.UNREDUCED
+        raise ValueError(
+            f"multi_steps: mesh axis {axis_name!r} is of type {sorted(t.name for t in types)}:"
+            " under jax.jit an Auto axis leaves the window's sums to the partitioner, which"
+            " reduces every micro-step. For one gradient reduction per window make the axis"
+            " Explicit (jax.make_mesh's default), or map the step with jax.shard_map; for"
+            " GSPMD's per-micro-step reduction build multi_steps without axis_name."
+        )
+    return Layout.PER_DEVICE  # pmap or vmap, or outside any mapping (shard_map's layout)
+
+
+def _rebuild(spec: P, *, unreduced: frozenset | None = None, reduced: frozenset | None = None) -> P:
+    """``spec`` with other unreduced / reduced axes (the same on jax 0.10 and 0.12)."""
+    return P(
+        *spec.partitions,
+        unreduced=spec.unreduced if unreduced is None else unreduced,
+        reduced=spec.reduced if reduced is None else reduced,
+    )
+
+
+def uses(spec: P, axis_name: AxisName) -> bool:
+    """Whether ``spec`` shards an array dimension over (one of) the axes."""
+    used = {
+        a for p in spec.partitions if p is not None for a in (p if isinstance(p, tuple) else (p,))
+    }
+    return bool(used & set(axes(axis_name)))
+
+
+def _reshard(x: jax.Array, spec: P) -> jax.Array:
+    return jax.reshard(x, spec)
+
+
+def sum_spec(param: Any, axis_name: AxisName) -> P:
+    """The window gradient sum of ``param``: unreduced over the axis, else like ``param``.
+
+    A parameter sharded over the batch axis (FSDP) has a gradient sharded the
+    same way (reduced and scattered inside each micro-step's backward pass), so
+    its sum keeps that sharding: an unreduced full-size sum would hold the
+    whole gradient on every device.
+    """
+    spec = spec_of(param)
+    return spec if uses(spec, axis_name) else _rebuild(spec, unreduced=frozenset(axes(axis_name)))
+
+
+def zero_sum(param: Any, dtype: Any, axis_name: AxisName | None, where: Layout) -> jax.Array:
+    """A window sum of zeros in its stored layout."""
+    zeros = jnp.zeros(jnp.shape(param), dtype)
+    if where is Layout.PER_DEVICE:
+        return zeros[None]
+    if where is Layout.UNREDUCED:
+        return _reshard(zeros, sum_spec(param, axis_name))
+    return zeros
+
+
+def to_stored(x: jax.Array, where: Layout) -> jax.Array:
+    return x[None] if where is Layout.PER_DEVICE else x
+
+
+def from_stored(x: jax.Array, where: Layout) -> jax.Array:
+    return x[0] if where is Layout.PER_DEVICE else x
+
+
+def _named_spec(x: Any) -> P | None:
+    """``x``'s spec when it carries an explicit sharding, else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(sharding, NamedSharding) and not sharding.mesh.empty:
+        return sharding.spec
+    return None
+
+
+def spec_of(x: Any) -> P:
+    """``x``'s PartitionSpec in explicit mode (``P()``: replicated, or no mesh)."""
+    spec = _named_spec(x)
+    return P() if spec is None else spec
+
+
+def reduced_zeros(window_sum: jax.Array, dtype: Any) -> jax.Array:
+    """Zeros shaped and sharded like a window sum once reduced (the updates' slot)."""
+    spec = _named_spec(window_sum)
+    zeros = jnp.zeros(window_sum.shape, dtype)
+    if spec is None:
+        return zeros
+    return _reshard(zeros, _rebuild(spec, unreduced=frozenset()))
+
+
+def like(x: jax.Array, target: jax.Array) -> jax.Array:
+    """``x`` resharded to ``target``'s explicit sharding (a no-op when they agree)."""
+    spec = _named_spec(target)
+    return x if spec is None or _named_spec(x) == spec else _reshard(x, spec)
+
+
+def to_reduced(params: Any, axis_name: AxisName) -> Any:
+    """Parameters cast to ``reduced`` over the axis (free: a replicated array already
+    is one), so that their gradients come out ``unreduced``. Leaves sharded over the
+    axis (FSDP) stay as they are."""
+
+    def cast(p):
+        spec = spec_of(p)
+        if uses(spec, axis_name):
+            return p
+        return _reshard(p, _rebuild(spec, reduced=frozenset(axes(axis_name))))
+
+    return jax.tree.map(cast, params)
+
+
+def batch_only_mesh(axis_name: AxisName) -> bool:
+    """Whether every axis of the mesh in context is one the batch is split over.
+
+    A mesh of one device is left out: there is nothing to reduce, and jax 0.10.2
+    fails to lower a gather's gradient inside a one-device manual ``shard_map``.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    return set(mesh.axis_names) <= set(axes(axis_name)) and mesh.size > 1
+
+
+def gather(x: jax.Array) -> jax.Array:
+    """``x`` replicated (an all-gather of a sharded array)."""
+    return _reshard(x, P(*(None,) * jnp.ndim(x)))
+
+
+def scatter_like(g: jax.Array, param: jax.Array) -> jax.Array:
+    """An unreduced gradient reduced onto ``param``'s shards (a reduce-scatter)."""
+    return _reshard(g, spec_of(param))
+
+
+def as_unreduced(x: Any, axis_name: AxisName) -> jax.Array:
+    """Inside a manual ``shard_map``: a per-device value declared a partial sum (free)."""
+    x = jnp.asarray(x)
+    if not frozenset(axes(axis_name)) <= varying_axes(x):
+        x = jax.lax.pcast(x, axis_name, to="varying")  # the same number on every device
+    return jax.lax.pcast(x, axis_name, to="unreduced")
+
+
+def reduce_over_devices(sums: Any, axis_name: AxisName | None) -> Any:
+    """The window's one collective: every device's sums added.
+
+    Per device: one ``psum`` of the whole tuple. Unreduced: each unreduced leaf
+    resharded to its sharding without the axis (an all-reduce; leaves that are
+    already global, such as the loss and item sums under ``jit``, stay).
+    """
+    where = layout(axis_name)
+    if where is Layout.GLOBAL:
+        return sums
+    if where is Layout.PER_DEVICE:
+        return jax.lax.psum(sums, axis_name)
+
+    def reduce(x):
+        spec = spec_of(x)
+        if not spec.unreduced & set(axes(axis_name)):
+            return x
+        return _reshard(x, _rebuild(spec, unreduced=spec.unreduced - set(axes(axis_name))))
+
+    return jax.tree.map(reduce, sums)
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -34,72 +221,78 @@ def varying_axes(x: Any) -> frozenset[str]:
 
 
 def check_axis_bound(axis_name: AxisName) -> None:
-    for name in _axes(axis_name):
+    for name in axes(axis_name):
         try:
             jax.lax.axis_size(name)
         except NameError:
             raise NameError(
                 f"multi_steps: axis_name {name!r} is not bound here: call update inside"
-                " jax.pmap(..., axis_name=...) or jax.shard_map over a mesh with that"
-                " axis, or build multi_steps without axis_name."
+                " jax.jit on a mesh with that axis (jax.set_mesh), jax.shard_map over it or"
+                " jax.pmap(..., axis_name=...), or build multi_steps without axis_name."
             ) from None
 
 
-def check_per_device_grads(grads: Any, axis_name: AxisName) -> None:
-    """Rejects gradients that JAX's autodiff already summed over the devices.
+def check_grads(grads: Any, grad_sum: Any, axis_name: AxisName, where: Layout) -> None:
+    """Refuses gradients that were already summed over the devices.
 
-    Inside ``shard_map`` with vma checking (the default), the gradient with
+    Per device (``shard_map`` with vma checking, the default): the gradient with
     respect to replicated parameters of a per-device loss is summed over the
-    axis by autodiff: a collective on every micro-step, and the boundary's
-    ``psum`` would then count every device ``R`` times, whatever ``num_items``
-    is. Such a leaf does not vary over the axis. Whether vma checking is on is
-    the type of ``axis_index``; without it (``check_vma=False``, ``pmap``)
-    autodiff does not sum, and there is nothing to reject.
+    axis by autodiff, on every micro-step, and the boundary's ``psum`` would then
+    count every device ``R`` times whatever ``num_items`` is. Such a leaf does
+    not vary over the axis. Whether vma checking is on is the type of
+    ``axis_index``; without it (``check_vma=False``, ``pmap``) autodiff does not
+    sum. Unreduced (``jit``): a replicated gradient was all-reduced this
+    micro-step (k reductions per window), and adding it to an unreduced sum
+    is refused by JAX; each leaf must be unreduced, or sharded like its sum.
     """
-    axes = frozenset(_axes(axis_name))
-    if not axes <= varying_axes(jax.lax.axis_index(axis_name)):
-        return
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        if not axes <= varying_axes(g):
-            raise ValueError(
-                f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path)} is already"
-                f" summed over {sorted(axes)} (it does not vary over the axis): the window's"
-                f" sum would count every device {jax.lax.axis_size(axis_name)} times."
-                " Inside shard_map, take per-device gradients:"
-                f" jaxaccum.value_and_grad(loss_fn, axis_name={axis_name!r}) differentiates"
-                f" with respect to jax.lax.pcast(params, {axis_name!r}, to='varying'); the"
-                " window's single psum happens at the boundary."
-            )
+    batch_axes = frozenset(axes(axis_name))
+    leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+    if where is Layout.PER_DEVICE:
+        if not batch_axes <= varying_axes(jax.lax.axis_index(axis_name)):
+            return
+        for path, g in leaves:
+            if not batch_axes <= varying_axes(g):
+                raise ValueError(
+                    f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path)} is already"
+                    f" summed over {sorted(batch_axes)} (it does not vary over the axis): the window's"
+                    f" sum would count every device {jax.lax.axis_size(axis_name)} times."
+                    " Inside shard_map, take per-device gradients:"
+                    f" jaxaccum.value_and_grad(loss_fn, axis_name={axis_name!r}) differentiates"
+                    f" with respect to jax.lax.pcast(params, {axis_name!r}, to='varying'); the"
+                    " window's single psum happens at the boundary."
+                )
+    elif where is Layout.UNREDUCED:
+        for (path, g), s in zip(leaves, jax.tree.leaves(grad_sum), strict=True):
+            if spec_of(g) != spec_of(s):
+                raise ValueError(
+                    f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path)} has sharding"
+                    f" {spec_of(g)}; its window sum has {spec_of(s)}. Under jax.jit on an"
+                    " Explicit mesh, take the gradients with"
+                    f" jaxaccum.value_and_grad(loss_fn, axis_name={axis_name!r}): it keeps each"
+                    " device's gradient a partial sum (unreduced, no all-reduce per micro-step);"
+                    " and make the state with tx.init under the same mesh. A replicated gradient"
+                    " was all-reduced already: for that (GSPMD) path build multi_steps without"
+                    " axis_name."
+                )
 
 
-def to_stored(x: jax.Array, axis_name: AxisName | None) -> jax.Array:
-    """A window sum in its stored layout (a leading device axis with an axis name)."""
-    return x if axis_name is None else x[None]
-
-
-def from_stored(x: jax.Array, axis_name: AxisName | None) -> jax.Array:
-    return x if axis_name is None else x[0]
-
-
-def reduce_over_devices(sums: Any, axis_name: AxisName | None) -> Any:
-    """The window's one collective: every device's sums added, in one ``psum``."""
-    return sums if axis_name is None else jax.lax.psum(sums, axis_name)
-
-
-def partition_specs(opt_state: Any, axis_name: AxisName) -> Any:
+def partition_specs(opt_state: Any, axis_name: AxisName, param_specs: Any = None) -> Any:
     """``PartitionSpec``\\ s of an optimizer state for ``jax.shard_map``.
 
     Between boundaries the window sums differ from device to device, so they
-    must not be declared replicated. With ``multi_steps(..., axis_name=...)``
-    each window-sum leaf (``grad_sum``, ``loss_sum``, ``num_items``) holds a
-    leading axis of length 1; this function gives those leaves
-    ``P(axis_name)`` (the global array stacks one row per device) and every
-    other leaf ``P()`` (replicated: the inner state, the counters, the record).
+    must not be declared replicated. Under ``shard_map`` each window-sum leaf
+    (``grad_sum``, ``loss_sum``, ``num_items``) holds a leading axis of length
+    1, so this function gives those leaves ``P(axis_name, *param_spec)`` (the
+    global array stacks one row per device). With ``param_specs`` (the
+    parameters' specs, for a sharded model) the inner state's parameter-shaped
+    subtrees (AdamW's moments) get them too; every other leaf is ``P()``.
 
     Args:
       opt_state: an optimizer state (or its ``jax.eval_shape``) containing one
         or more :class:`MultiStepsState`.
       axis_name: the mesh axis the batch is split over.
+      param_specs: ``None`` (replicated parameters) or a pytree of
+        ``PartitionSpec`` with the parameters' structure.
 
     Returns:
       A pytree of ``PartitionSpec`` with the structure of ``opt_state``.
@@ -119,10 +312,32 @@ def partition_specs(opt_state: Any, axis_name: AxisName) -> Any:
     def specs_of(node: Any) -> Any:
         if not isinstance(node, MultiStepsState):
             return P()
+        params_def = jax.tree.structure(node.grad_sum)
+        shapes = [tuple(s.shape[1:]) for s in jax.tree.leaves(node.grad_sum)]  # one row each
+        if param_specs is None:
+            specs = jax.tree.unflatten(params_def, [P()] * params_def.num_leaves)
+        else:
+            specs = param_specs
+        row = lambda spec: P(axis_name, *spec.partitions)
+
+        def like_params(sub):  # a parameter-shaped subtree of the inner state (a moment)
+            leaves = jax.tree.leaves(sub)
+            return (
+                jax.tree.structure(sub) == params_def
+                and [tuple(jnp.shape(x)) for x in leaves] == shapes
+            )
+
+        inner = jax.tree.map(
+            lambda sub: specs if like_params(sub) else jax.tree.map(lambda _: P(), sub),
+            node.inner_state,
+            is_leaf=like_params,
+        )
         replicated = jax.tree.map(lambda _: P(), node)
-        per_device = {
-            name: jax.tree.map(lambda _: P(axis_name), getattr(node, name)) for name in WINDOW_SUMS
-        }
-        return replicated._replace(**per_device)
+        return replicated._replace(
+            inner_state=inner,
+            grad_sum=jax.tree.map(row, specs),
+            loss_sum=P(axis_name),
+            num_items=P(axis_name),
+        )
 
     return jax.tree.map(specs_of, opt_state, is_leaf=lambda x: isinstance(x, MultiStepsState))

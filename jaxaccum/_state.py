@@ -119,7 +119,3 @@ def first_record(accumulator_dtype: Any, loss_scale: float) -> WindowMetrics:
         skip_reason=jnp.asarray(SkipReason.APPLIED, jnp.int32),
         loss_scale=jnp.asarray(loss_scale, jnp.float32),
     )
-
-
-WINDOW_SUMS = ("grad_sum", "loss_sum", "num_items")
-"""The fields of :class:`MultiStepsState` that belong to one device between boundaries."""

@@ -25,8 +25,21 @@ def tiny_lm_params(vocab: int = 13, hidden: int = 8, seed: int = 0) -> dict:
     }
 
 
+def lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    """``table[tokens]``; on an Explicit mesh the rows come out sharded like ``tokens``.
+
+    Explicit sharding asks a gather for its output sharding (and refuses to
+    guess it for a ``reduced`` table): give it the tokens' batch sharding.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return table[tokens]
+    spec = jax.typeof(tokens).sharding.spec
+    return table.at[tokens].get(out_sharding=jax.P(*spec.partitions, None))
+
+
 def tiny_lm_logits(params: dict, tokens: jax.Array) -> jax.Array:
-    hidden = jnp.tanh(params["embed"][tokens].astype(jnp.float32))
+    hidden = jnp.tanh(lookup(params["embed"], tokens).astype(jnp.float32))
     return hidden @ params["proj"].astype(jnp.float32)
 
 
@@ -169,3 +182,49 @@ def entry_fusions(hlo_text: str) -> list[str]:
         if found:
             fusions.append(" ".join(found.groups()))
     return sorted(fusions)
+
+
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+
+
+def _bytes_of(shape_text: str) -> int:
+    """Bytes of an HLO result type such as ``f32[8,13]{1,0}`` or a tuple of them."""
+    import re
+
+    sizes = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2,
+             "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1}  # fmt: skip
+    total = 0
+    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape_text):
+        count = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        total += sizes.get(dtype, 4) * count
+    return total
+
+
+def collectives(hlo_text: str) -> list[dict[str, Any]]:
+    """Every collective of a compiled program: ``{'op', 'where', 'bytes'}``.
+
+    ``where`` is ``'entry'`` (runs on every call), ``'loop'`` (inside a while
+    loop's body, at any depth: jaxaccum's boundary, a scan) or ``'other'``.
+    ``bytes`` is the size of its result (all elements of a tuple).
+    """
+    import re
+
+    computations = _computations(hlo_text)
+    bodies = set()
+    for name, lines in computations.items():
+        for line in lines:
+            body = re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)
+            if body:
+                bodies.add(body.group(1))
+    found = []
+    for name, lines in computations.items():
+        if name == "__entry__":
+            continue
+        where = (
+            "entry" if lines is computations["__entry__"] else "loop" if name in bodies else "other"
+        )
+        for line in lines:
+            op = re.search(r"= (.+?) (" + "|".join(COLLECTIVES) + r")(-start)?\(", line)
+            if op:
+                found.append({"op": op.group(2), "where": where, "bytes": _bytes_of(op.group(1))})
+    return found

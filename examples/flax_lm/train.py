@@ -1,7 +1,7 @@
 """Train the Flax NNX tiny GPT with jaxaccum, next to the big batch and optax.MultiSteps.
 
-    python examples/flax_lm/train.py            # 25 updates, writes examples/flax_lm/loss_curves.png
-    python examples/flax_lm/train.py --quick    # 2 updates, big batch and jaxaccum only (the test)
+    .venv/bin/python examples/flax_lm/train.py           # 25 updates, writes loss_curves.png
+    .venv/bin/python examples/flax_lm/train.py --quick   # 2 updates, big batch and jaxaccum only
 
 The data are SFT-style samples cut from ``parity_tests/corpus.txt``: a prompt
 (labels -100) and a response of very unequal length (0 to ~60 valid tokens),
@@ -12,7 +12,11 @@ rate, global-norm clipping at 1.0):
 
 1. big batch: one update per 16 samples on their token-mean loss;
 2. ``optax.MultiSteps``: each micro-batch's token mean, averaged (mean of means);
-3. ``jaxaccum.multi_steps`` inside ``nnx.Optimizer``: summed loss and its valid tokens.
+3. ``jaxaccum.multi_steps`` inside ``nnx.Optimizer``: summed loss and its valid tokens,
+   data parallel over 4 devices (fake CPU devices here) with plain ``nnx.jit`` on an
+   Explicit mesh: each micro-batch is one global batch split over the "data" axis,
+   ``jaxaccum.value_and_grad(..., axis_name="data")`` keeps the gradient a partial
+   sum per device, and the window's sums are all-reduced once, at the boundary.
 
 jaxaccum logs one line per update (the window record and the learning rate);
 the summary compares each pipeline's parameters with the big batch's.
@@ -28,20 +32,20 @@ import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_ROOT = pathlib.Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:  # parity_tests lives at the repository root
-    sys.path.insert(0, str(_ROOT))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import jaxaccum  # noqa: E402
 from parity_tests import flax_gpt  # noqa: E402
 from parity_tests.scenarios import Scenario, global_batches, layout  # noqa: E402
+
+DEVICES = 4  # data-parallel devices of the jaxaccum pipeline
 
 CONFIG = flax_gpt.TinyGPTConfig()  # 2 layers, 4 heads, d_model 64, byte vocabulary
 PLOT = pathlib.Path(__file__).with_name("loss_curves.png")
@@ -140,8 +144,8 @@ def multisteps_micro_step(model, optimizer, tokens, labels):
 
 
 @nnx.jit
-def jaxaccum_micro_step(model, optimizer, tokens, labels):
-    (loss_sum, num_items), grads = nnx.value_and_grad(loss_sum_and_items, has_aux=True)(
+def jaxaccum_micro_step(model, optimizer, tokens, labels):  # tokens, labels: P("data")
+    (loss_sum, num_items), grads = jaxaccum.value_and_grad(loss_sum_and_items, axis_name="data")(
         model, tokens, labels
     )
     optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)  # a SUM, its items
@@ -194,20 +198,30 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
         data_seed=s.seed,
     )
     big_batches = global_batches(scenario)  # [16, T] per update
-    windows = [
-        layout(tokens, labels, world=1, k=s.k) for tokens, labels in big_batches
-    ]  # [1, k, mb, T]
+    windows = [  # [devices, k, mb, T]: micro-batch m of every device is one global batch
+        layout(tokens, labels, world=DEVICES, k=s.k) for tokens, labels in big_batches
+    ]
+    mesh = jax.make_mesh((DEVICES,), ("data",))  # Explicit axes: JAX's default
 
     names = ("big", "jaxaccum") + (("multisteps",) if with_multisteps else ())
     models = {name: new_model(s.seed) for name in names}
     txs = {
         "big": adamw(s),
-        "jaxaccum": jaxaccum.multi_steps(adamw(s), s.k, max_grad_norm=MAX_GRAD_NORM),
+        "jaxaccum": jaxaccum.multi_steps(
+            adamw(s), s.k, axis_name="data", max_grad_norm=MAX_GRAD_NORM
+        ),
         "multisteps": optax.MultiSteps(
             optax.chain(optax.clip_by_global_norm(MAX_GRAD_NORM), adamw(s)), s.k
         ),
     }
-    optimizers = {name: new_optimizer(models[name], txs[name]) for name in names}
+    optimizers = {}
+    for name in names:
+        if name == "jaxaccum":  # params replicated over the mesh, the state laid out on it
+            with jax.set_mesh(mesh):
+                nnx.update(models[name], jax.device_put(nnx.state(models[name]), P()))
+                optimizers[name] = new_optimizer(models[name], txs[name])
+        else:
+            optimizers[name] = new_optimizer(models[name], txs[name])
     history = {
         key: []
         for key in (
@@ -237,11 +251,12 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
         )
 
         tok, lab = windows[u]
-        for m in range(s.k):
-            record = jaxaccum_micro_step(
-                models["jaxaccum"], optimizers["jaxaccum"], tok[0, m], lab[0, m]
-            )
-            bar.update(1)
+        with jax.set_mesh(mesh):
+            for m in range(s.k):
+                batch = [x[:, m].reshape(-1, x.shape[-1]) for x in (tok, lab)]
+                batch = jax.device_put(batch, P("data"))  # rows split over the devices
+                record = jaxaccum_micro_step(models["jaxaccum"], optimizers["jaxaccum"], *batch)
+                bar.update(1)
         assert bool(record["applied"]), f"update {u + 1} was not applied"
         history["jaxaccum"].append(float(record["loss"]))
         history["lr"].append(float(record["learning_rate"]))
@@ -251,7 +266,9 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
             sums, counts, means = 0.0, 0.0, []
             for m in range(s.k):
                 mean, loss_sum, num_items = multisteps_micro_step(
-                    models["multisteps"], optimizers["multisteps"], tok[0, m], lab[0, m]
+                    models["multisteps"],
+                    optimizers["multisteps"],
+                    *[x[:, m].reshape(-1, x.shape[-1]) for x in (tok, lab)],
                 )
                 sums, counts = sums + float(loss_sum), counts + float(num_items)
                 means.append(float(mean))
@@ -261,7 +278,7 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
         reference = params_of(models["big"])
         moved = l2(reference, initial)
         for name in names[1:]:
-            params = params_of(models[name])
+            params = [np.asarray(jax.device_get(x)) for x in params_of(models[name])]
             history[f"max_{name}"].append(max_abs(params, reference))
             history[f"rel_{name}"].append(l2(params, reference) / moved)
     bar.close()
@@ -383,4 +400,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if jax.config.jax_platforms == "cpu":  # fake CPU devices, before the first JAX operation
+        jax.config.update("jax_num_cpu_devices", DEVICES)
     raise SystemExit(main())
