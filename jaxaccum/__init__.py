@@ -12,7 +12,7 @@ from jaxaccum._inspect import has_updated, loss_scale, window_metrics
 from jaxaccum._loss_scale import DynamicLossScale
 from jaxaccum._multi_steps import multi_steps
 from jaxaccum._normalize import WindowTotals, normalize_window
-from jaxaccum._sharding import partition_specs
+from jaxaccum._partition_specs import partition_specs
 from jaxaccum._state import MultiStepsState, SkipReason, WindowMetrics
 
 __all__ = [

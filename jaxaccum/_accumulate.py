@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum import _sharding
+from jaxaccum._grad import batch_only_mesh, gather, to_reduced
 from jaxaccum._normalize import normalize_window
 from jaxaccum._sharding import Layout
 
@@ -55,13 +56,13 @@ def accumulate_gradients(
       (-4.0, 7.0)
     """
     where = _sharding.layout(axis_name)
-    if where is Layout.UNREDUCED and _sharding.batch_only_mesh(axis_name):
+    if where is Layout.UNREDUCED and batch_only_mesh(axis_name):
         # under jit, every mesh axis a batch axis: the per-device scan in a shard_map
         def per_device(params, microbatches):
             return _window(loss_fn, params, microbatches, axis_name, Layout.PER_DEVICE,
                            accumulator_dtype)  # fmt: skip
 
-        gathered = jax.tree.map(_sharding.gather, params)  # FSDP leaves: all-gathered
+        gathered = jax.tree.map(gather, params)  # FSDP leaves: all-gathered
         in_specs = (
             jax.tree.map(lambda _: jax.P(), params),
             jax.tree.map(_sharding.spec_of, microbatches),
@@ -91,7 +92,7 @@ def _window(loss_fn, params, microbatches, axis_name, where, accumulator_dtype):
     if where is Layout.PER_DEVICE:
         local_params = jax.lax.pcast(params, axis_name, to="varying")
     elif where is Layout.UNREDUCED:
-        local_params = _sharding.to_reduced(params, axis_name)
+        local_params = to_reduced(params, axis_name)
 
     def add_microbatch(sums, microbatch):
         grad_sum, loss_sum, num_items = sums

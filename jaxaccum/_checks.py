@@ -242,7 +242,7 @@ def grads(grads: Any, grad_sum: Any, *, per_device: bool) -> None:
 
 
 def update_call(
-    grads_value, state, num_items_value, loss_sum, end_window, extra_args, layout
+    grads_value, state, num_items_value, loss_sum, end_window, extra_args, layout, axis_name
 ) -> None:
     """Refuses a bad call before anything is computed: the state is never touched."""
     where = "multi_steps.update"
@@ -261,3 +261,17 @@ def update_call(
         scalar(loss_sum, "loss_sum", where=where, kind="real", expected="a real number")
     scalar(end_window, "end_window", where=where, kind="bool", expected="a bool scalar")
     grads(grads_value, state.grad_sum, per_device=layout is _sharding.Layout.PER_DEVICE)
+    if layout is _sharding.Layout.PER_DEVICE:
+        _sharding.check_axis_bound(axis_name)
+    if layout is not _sharding.Layout.GLOBAL:
+        _sharding.check_grads(grads_value, state.grad_sum, axis_name, layout)
+
+
+def raise_if_nonfinite(overflow, micro_step, loss, grad_norm) -> None:
+    """``nonfinite="raise"``: the host callback that fails a non-finite window."""
+    if bool(overflow):
+        raise FloatingPointError(
+            "jaxaccum.multi_steps(nonfinite='raise'): the window ending at micro-step"
+            f" {int(micro_step)} has a non-finite gradient or loss (loss={float(loss)},"
+            f" grad_norm={float(grad_norm)}); it was not applied."
+        )

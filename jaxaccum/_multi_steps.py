@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import optax
 
 from jaxaccum import _checks, _sharding
-from jaxaccum._sharding import Layout
 from jaxaccum._loss_scale import DynamicLossScale, next_loss_scale
 from jaxaccum._normalize import clip_by_global_norm, normalize_window
-from jaxaccum._state import MultiStepsState, SkipReason, WindowMetrics, first_record
+from jaxaccum._sharding import Layout
+from jaxaccum._state import MultiStepsState, closed_window, first_record
 
 
 def multi_steps(
@@ -38,13 +38,10 @@ def multi_steps(
     Each call adds this device's micro-batch to three window sums: the gradient
     of the summed loss, the summed loss and its ``num_items``. When the window
     closes (after ``k`` calls, or at ``end_window=True``) the sums are reduced
-    across devices once and the window gradient is
-
-    .. math:: g = \\frac{\\sum_{r,m} \\nabla \\ell^{sum}_{rm}}{\\sum_{r,m} n_{rm}}
-
-    (``r`` devices, ``m`` micro-batches), optionally clipped to
-    ``max_grad_norm``, and handed to ``inner`` once. Between boundaries no
-    collective and no inner-optimizer work runs, and the update is zero.
+    across devices once, the window gradient ``g = sum grad(loss_sum) / sum
+    num_items`` (over devices and micro-batches) is clipped to ``max_grad_norm``
+    and handed to ``inner``. Between boundaries no collective and no
+    inner-optimizer work runs, and the update is zero.
 
     Args:
       inner: the optimizer of the big batch, e.g. ``optax.adamw(3e-4)``. Its
@@ -71,15 +68,12 @@ def multi_steps(
         ``FloatingPointError`` (a host callback).
 
     Returns:
-      An ``optax.GradientTransformationExtraArgs``. Its ``update(grads, state,
-      params=None, *, num_items, loss_sum=None, end_window=False,
-      **extra_args)`` takes ``grads``, the gradients of the local SUMMED loss;
-      ``num_items``, the local number of items that loss adds up (valid tokens,
-      samples, or a non-negative weight); ``loss_sum``, the summed loss (for
-      the record); ``end_window``, a Python or traced bool that closes a short
-      window now, normalized by its real items. ``extra_args`` reach
-      ``inner.update`` at the boundary. The updates have the dtypes of the
-      inner optimizer's updates, as with ``optax.MultiSteps``.
+      An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
+      params=None, *, num_items, loss_sum=None, end_window=False, **extra_args)``
+      takes the gradients of the local SUMMED loss, the items it adds up (valid
+      tokens, samples, or a non-negative weight), the summed loss (for the
+      record) and a bool that closes a short window now; ``extra_args`` reach
+      ``inner.update``. Its updates have the inner optimizer's update dtypes.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxaccum
@@ -108,7 +102,6 @@ def multi_steps(
     def init_fn(params: Any) -> MultiStepsState:
         scale = 1.0 if loss_scaling is None else loss_scaling.init_scale
         where = _sharding.layout(axis_name)
-        stored = lambda x: _sharding.to_stored(x, where)
         return MultiStepsState(
             window_step=zero(jnp.int32),
             micro_step=zero(jnp.int32),
@@ -116,11 +109,7 @@ def multi_steps(
             loss_known=jnp.ones((), jnp.bool_),
             applied=zero(jnp.bool_),
             inner_state=inner.init(params),
-            grad_sum=jax.tree.map(
-                lambda p: _sharding.zero_sum(p, accumulator_dtype, axis_name, where), params
-            ),
-            loss_sum=_sharding.zero_sum(zero(), accumulator_dtype, axis_name, where),
-            num_items=_sharding.zero_sum(zero(), accumulator_dtype, axis_name, where),
+            **_sharding.zero_sums(params, accumulator_dtype, axis_name, where),
             last_window=first_record(accumulator_dtype, scale),
         )
 
@@ -135,11 +124,8 @@ def multi_steps(
         **extra_args: Any,
     ) -> tuple[Any, MultiStepsState]:
         where = _sharding.layout(axis_name)
-        _checks.update_call(grads, state, num_items, loss_sum, end_window, extra_args, where)
-        if where is Layout.PER_DEVICE:
-            _sharding.check_axis_bound(axis_name)
-        if where is not Layout.GLOBAL:
-            _sharding.check_grads(grads, state.grad_sum, axis_name, where)
+        _checks.update_call(grads, state, num_items, loss_sum, end_window, extra_args, where,
+                            axis_name)  # fmt: skip
         grads = jax.tree.map(jnp.asarray, grads)  # Python float leaves are accepted
         stored = lambda x: _sharding.to_stored(x, where)
         unstored = lambda x: _sharding.from_stored(x, where)
@@ -197,9 +183,8 @@ def multi_steps(
             finite = jnp.isfinite(totals.grad_norm) & jnp.isfinite(totals.window_items) & ~bad_loss
             apply = finite & nonempty
             if nonfinite == "raise":
-                jax.debug.callback(
-                    _raise_nonfinite, ~finite, state.micro_step, totals.loss, totals.grad_norm
-                )
+                fail = (~finite, state.micro_step, totals.loss, totals.grad_norm)
+                jax.debug.callback(_checks.raise_if_nonfinite, *fail)
             # The inner optimizer runs only for an applied window, on the window
             # gradient in the dtype of `grads` (a skipped one leaves it untouched,
             # with no select over its state to copy).
@@ -207,32 +192,28 @@ def multi_steps(
             slot, inner_state, *_ = _once_if(
                 apply, inner_step, slot, state.inner_state, window_grads, params, dynamic
             )
-            last = state.last_window
             scale, good_windows = next_loss_scale(
-                loss_scaling, last.loss_scale, state.good_windows, applied=apply, overflow=~finite
-            )
-            reason = jnp.where(
-                apply, SkipReason.APPLIED, jnp.where(finite, SkipReason.EMPTY, SkipReason.NONFINITE)
-            )
-            record = WindowMetrics(
-                micro_step=state.micro_step,
-                update_id=last.update_id + apply.astype(jnp.int32),
-                window_items=totals.window_items,
-                cumulative_items=last.cumulative_items + jnp.where(apply, totals.window_items, 0),
-                loss=jnp.where(state.loss_known, totals.loss, jnp.nan),
-                grad_norm=totals.grad_norm,
-                grad_norm_clipped=jnp.where(finite, norm_clipped, totals.grad_norm),
-                skipped=~apply,
-                skip_count=last.skip_count + (~apply).astype(jnp.int32),
-                skip_reason=reason.astype(jnp.int32),
-                loss_scale=scale,
+                loss_scaling,
+                state.last_window.loss_scale,
+                state.good_windows,
+                applied=apply,
+                overflow=~finite,
             )
             state = state._replace(
                 good_windows=good_windows,
                 loss_known=jnp.ones((), jnp.bool_),
                 applied=apply,
                 inner_state=inner_state,
-                last_window=record,
+                last_window=closed_window(
+                    state.last_window,
+                    totals,
+                    state.micro_step,
+                    norm_clipped,
+                    applied=apply,
+                    finite=finite,
+                    loss_known=state.loss_known,
+                    loss_scale=scale,
+                ),  # fmt: skip
                 # the window is consumed: fresh zeros of the sums' types (never 0 * sum)
                 grad_sum=jax.tree.map(jnp.zeros_like, state.grad_sum),
                 loss_sum=jnp.zeros_like(state.loss_sum),
@@ -240,22 +221,11 @@ def multi_steps(
             )
             return slot, state, params, dynamic
 
-        # The updates' slot: the inner optimizer's update dtypes, the parameters'
-        # shardings. On one device it starts as this call's gradient, a buffer that is
-        # dead once added to the sum, so XLA reuses it instead of writing zeros.
+        # The updates' slot: the inner optimizer's update dtypes (eval_shape traces it,
+        # nothing runs), the parameters' shardings.
         grad_types = jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g), g.dtype), grads)
         update_types = jax.eval_shape(inner_update, grad_types, state.inner_state, params, dynamic)
-        reusable = lambda g, u: where is Layout.GLOBAL and jnp.shape(g) == u.shape
-        slot = jax.tree.map(
-            lambda g, s, u: (
-                g.astype(u.dtype)
-                if reusable(g, u)
-                else _sharding.reduced_zeros(unstored(s), u.dtype)
-            ),
-            grads,
-            state.grad_sum,
-            update_types[0],
-        )
+        slot = _sharding.updates_slot(grads, state.grad_sum, update_types[0], where)
         slot, new_state, *_ = _once_if(close, boundary, slot, added, params, dynamic)
         # Zero unless this call applied an update (a select: no NaN can leak).
         updates = jax.tree.map(lambda u: jnp.where(new_state.applied, u, 0).astype(u.dtype), slot)
@@ -267,22 +237,12 @@ def multi_steps(
 def _once_if(pred: jax.Array, body: Callable[..., tuple], *carry: Any) -> tuple:
     """``body(*carry)`` if ``pred`` else ``carry``: a while loop of zero or one trip.
 
-    XLA keeps a while loop's carry in place, so when the loop does not run the
-    carried buffers (the inner state, the window sums) are neither copied nor
-    touched; a ``cond`` would copy them into its result. Everything the body
-    reads travels in the carry, so nothing can be hoisted out and run on every
-    call.
+    XLA keeps a while loop's carry in place: when it does not run, the carried
+    buffers (the inner state, the sums) are neither copied nor touched, where a
+    ``cond`` copies them into its result. The body reads nothing but its carry,
+    so nothing can be hoisted out of it and run on every call.
     """
     _, carry = jax.lax.while_loop(
         lambda loop: loop[0], lambda loop: (jnp.zeros((), jnp.bool_), body(*loop[1])), (pred, carry)
     )
     return carry
-
-
-def _raise_nonfinite(overflow, micro_step, loss, grad_norm) -> None:
-    if bool(overflow):
-        raise FloatingPointError(
-            "jaxaccum.multi_steps(nonfinite='raise'): the window ending at micro-step"
-            f" {int(micro_step)} has a non-finite gradient or loss (loss={float(loss)},"
-            f" grad_norm={float(grad_norm)}); it was not applied."
-        )

@@ -11,7 +11,15 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _accumulate, _inspect, _loss_scale, _multi_steps, _normalize, _sharding, losses
+from jaxaccum import (
+    _accumulate,
+    _inspect,
+    _loss_scale,
+    _multi_steps,
+    _normalize,
+    _partition_specs,
+    losses,
+)
 
 
 def quadratic_loss(params, batch):
@@ -304,7 +312,7 @@ def test_causal_lm_counts_after_the_shift_and_matches_a_direct_sum():
 
 @pytest.mark.parametrize(
     "module",
-    [_normalize, _multi_steps, _accumulate, _inspect, _loss_scale, _sharding, losses],
+    [_normalize, _multi_steps, _accumulate, _inspect, _loss_scale, _partition_specs, losses],
     ids=lambda m: m.__name__,
 )
 def test_docstring_examples_run(module):

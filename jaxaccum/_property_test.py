@@ -33,11 +33,10 @@ import optax
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import jaxaccum
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jaxaccum
 from jaxaccum._testing import IGNORE_INDEX, tiny_lm_loss, tiny_lm_params
 
 DEVICES = 4

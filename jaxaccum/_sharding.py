@@ -28,8 +28,6 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum._state import MultiStepsState
-
 AxisName = str | tuple[str, ...]
 
 
@@ -67,7 +65,7 @@ def layout(axis_name: AxisName | None) -> Layout:
     return Layout.PER_DEVICE  # pmap or vmap, or outside any mapping (shard_map's layout)
 
 
-def _rebuild(spec: P, *, unreduced: frozenset | None = None, reduced: frozenset | None = None) -> P:
+def rebuild(spec: P, *, unreduced: frozenset | None = None, reduced: frozenset | None = None) -> P:
     """``spec`` with other unreduced / reduced axes (the same on jax 0.10 and 0.12)."""
     return P(
         *spec.partitions,
@@ -97,7 +95,7 @@ def sum_spec(param: Any, axis_name: AxisName) -> P:
     whole gradient on every device.
     """
     spec = spec_of(param)
-    return spec if uses(spec, axis_name) else _rebuild(spec, unreduced=frozenset(axes(axis_name)))
+    return spec if uses(spec, axis_name) else rebuild(spec, unreduced=frozenset(axes(axis_name)))
 
 
 def zero_sum(param: Any, dtype: Any, axis_name: AxisName | None, where: Layout) -> jax.Array:
@@ -108,6 +106,16 @@ def zero_sum(param: Any, dtype: Any, axis_name: AxisName | None, where: Layout) 
     if where is Layout.UNREDUCED:
         return _reshard(zeros, sum_spec(param, axis_name))
     return zeros
+
+
+def zero_sums(params: Any, dtype: Any, axis_name: AxisName | None, where: Layout) -> dict:
+    """The three window sums of a fresh state: ``grad_sum``, ``loss_sum``, ``num_items``."""
+    zero = jnp.zeros((), dtype)
+    return dict(
+        grad_sum=jax.tree.map(lambda p: zero_sum(p, dtype, axis_name, where), params),
+        loss_sum=zero_sum(zero, dtype, axis_name, where),
+        num_items=zero_sum(zero, dtype, axis_name, where),
+    )
 
 
 def to_stored(x: jax.Array, where: Layout) -> jax.Array:
@@ -138,55 +146,29 @@ def reduced_zeros(window_sum: jax.Array, dtype: Any) -> jax.Array:
     zeros = jnp.zeros(window_sum.shape, dtype)
     if spec is None:
         return zeros
-    return _reshard(zeros, _rebuild(spec, unreduced=frozenset()))
+    return _reshard(zeros, rebuild(spec, unreduced=frozenset()))
+
+
+def updates_slot(grads: Any, grad_sum: Any, update_types: Any, where: Layout) -> Any:
+    """The loop carry that receives the window's updates (zero between boundaries).
+
+    The inner optimizer's update dtypes, the parameters' shardings. On one
+    device it starts as this call's gradient, a buffer that is dead once added
+    to the sum, so XLA reuses it instead of writing zeros.
+    """
+
+    def slot(g, window_sum, u):
+        if where is Layout.GLOBAL and jnp.shape(g) == u.shape:
+            return g.astype(u.dtype)
+        return reduced_zeros(from_stored(window_sum, where), u.dtype)
+
+    return jax.tree.map(slot, grads, grad_sum, update_types)
 
 
 def like(x: jax.Array, target: jax.Array) -> jax.Array:
     """``x`` resharded to ``target``'s explicit sharding (a no-op when they agree)."""
     spec = _named_spec(target)
     return x if spec is None or _named_spec(x) == spec else _reshard(x, spec)
-
-
-def to_reduced(params: Any, axis_name: AxisName) -> Any:
-    """Parameters cast to ``reduced`` over the axis (free: a replicated array already
-    is one), so that their gradients come out ``unreduced``. Leaves sharded over the
-    axis (FSDP) stay as they are."""
-
-    def cast(p):
-        spec = spec_of(p)
-        if uses(spec, axis_name):
-            return p
-        return _reshard(p, _rebuild(spec, reduced=frozenset(axes(axis_name))))
-
-    return jax.tree.map(cast, params)
-
-
-def batch_only_mesh(axis_name: AxisName) -> bool:
-    """Whether every axis of the mesh in context is one the batch is split over.
-
-    A mesh of one device is left out: there is nothing to reduce, and jax 0.10.2
-    fails to lower a gather's gradient inside a one-device manual ``shard_map``.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    return set(mesh.axis_names) <= set(axes(axis_name)) and mesh.size > 1
-
-
-def gather(x: jax.Array) -> jax.Array:
-    """``x`` replicated (an all-gather of a sharded array)."""
-    return _reshard(x, P(*(None,) * jnp.ndim(x)))
-
-
-def scatter_like(g: jax.Array, param: jax.Array) -> jax.Array:
-    """An unreduced gradient reduced onto ``param``'s shards (a reduce-scatter)."""
-    return _reshard(g, spec_of(param))
-
-
-def as_unreduced(x: Any, axis_name: AxisName) -> jax.Array:
-    """Inside a manual ``shard_map``: a per-device value declared a partial sum (free)."""
-    x = jnp.asarray(x)
-    if not frozenset(axes(axis_name)) <= varying_axes(x):
-        x = jax.lax.pcast(x, axis_name, to="varying")  # the same number on every device
-    return jax.lax.pcast(x, axis_name, to="unreduced")
 
 
 def reduce_over_devices(sums: Any, axis_name: AxisName | None) -> Any:
@@ -206,7 +188,7 @@ def reduce_over_devices(sums: Any, axis_name: AxisName | None) -> Any:
         spec = spec_of(x)
         if not spec.unreduced & set(axes(axis_name)):
             return x
-        return _reshard(x, _rebuild(spec, unreduced=spec.unreduced - set(axes(axis_name))))
+        return _reshard(x, rebuild(spec, unreduced=spec.unreduced - set(axes(axis_name))))
 
     return jax.tree.map(reduce, sums)
 
@@ -274,70 +256,3 @@ def check_grads(grads: Any, grad_sum: Any, axis_name: AxisName, where: Layout) -
                     " was all-reduced already: for that (GSPMD) path build multi_steps without"
                     " axis_name."
                 )
-
-
-def partition_specs(opt_state: Any, axis_name: AxisName, param_specs: Any = None) -> Any:
-    """``PartitionSpec``\\ s of an optimizer state for ``jax.shard_map``.
-
-    Between boundaries the window sums differ from device to device, so they
-    must not be declared replicated. Under ``shard_map`` each window-sum leaf
-    (``grad_sum``, ``loss_sum``, ``num_items``) holds a leading axis of length
-    1, so this function gives those leaves ``P(axis_name, *param_spec)`` (the
-    global array stacks one row per device). With ``param_specs`` (the
-    parameters' specs, for a sharded model) the inner state's parameter-shaped
-    subtrees (AdamW's moments) get them too; every other leaf is ``P()``.
-
-    Args:
-      opt_state: an optimizer state (or its ``jax.eval_shape``) containing one
-        or more :class:`MultiStepsState`.
-      axis_name: the mesh axis the batch is split over.
-      param_specs: ``None`` (replicated parameters) or a pytree of
-        ``PartitionSpec`` with the parameters' structure.
-
-    Returns:
-      A pytree of ``PartitionSpec`` with the structure of ``opt_state``.
-
-    Example:
-      >>> import jax, optax, jaxaccum
-      >>> from jax.sharding import PartitionSpec as P
-      >>> mesh = jax.make_mesh((1,), ('data',))
-      >>> tx = jaxaccum.multi_steps(optax.sgd(0.1), 2, axis_name='data')
-      >>> params = {'w': jax.numpy.zeros(3)}
-      >>> specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, params), 'data')
-      >>> state = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)(params)
-      >>> state.grad_sum['w'].shape  # one row per device
-      (1, 3)
-    """
-
-    def specs_of(node: Any) -> Any:
-        if not isinstance(node, MultiStepsState):
-            return P()
-        params_def = jax.tree.structure(node.grad_sum)
-        shapes = [tuple(s.shape[1:]) for s in jax.tree.leaves(node.grad_sum)]  # one row each
-        if param_specs is None:
-            specs = jax.tree.unflatten(params_def, [P()] * params_def.num_leaves)
-        else:
-            specs = param_specs
-        row = lambda spec: P(axis_name, *spec.partitions)
-
-        def like_params(sub):  # a parameter-shaped subtree of the inner state (a moment)
-            leaves = jax.tree.leaves(sub)
-            return (
-                jax.tree.structure(sub) == params_def
-                and [tuple(jnp.shape(x)) for x in leaves] == shapes
-            )
-
-        inner = jax.tree.map(
-            lambda sub: specs if like_params(sub) else jax.tree.map(lambda _: P(), sub),
-            node.inner_state,
-            is_leaf=like_params,
-        )
-        replicated = jax.tree.map(lambda _: P(), node)
-        return replicated._replace(
-            inner_state=inner,
-            grad_sum=jax.tree.map(row, specs),
-            loss_sum=P(axis_name),
-            num_items=P(axis_name),
-        )
-
-    return jax.tree.map(specs_of, opt_state, is_leaf=lambda x: isinstance(x, MultiStepsState))

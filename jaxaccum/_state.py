@@ -119,3 +119,33 @@ def first_record(accumulator_dtype: Any, loss_scale: float) -> WindowMetrics:
         skip_reason=jnp.asarray(SkipReason.APPLIED, jnp.int32),
         loss_scale=jnp.asarray(loss_scale, jnp.float32),
     )
+
+
+def closed_window(
+    last: WindowMetrics,
+    totals: Any,
+    micro_step: jax.Array,
+    norm_clipped: jax.Array,
+    *,
+    applied: jax.Array,
+    finite: jax.Array,
+    loss_known: jax.Array,
+    loss_scale: jax.Array,
+) -> WindowMetrics:
+    """The record of the window that just closed (``totals``: its ``WindowTotals``)."""
+    reason = jnp.where(
+        applied, SkipReason.APPLIED, jnp.where(finite, SkipReason.EMPTY, SkipReason.NONFINITE)
+    )
+    return WindowMetrics(
+        micro_step=micro_step,
+        update_id=last.update_id + applied.astype(jnp.int32),
+        window_items=totals.window_items,
+        cumulative_items=last.cumulative_items + jnp.where(applied, totals.window_items, 0),
+        loss=jnp.where(loss_known, totals.loss, jnp.nan),
+        grad_norm=totals.grad_norm,
+        grad_norm_clipped=jnp.where(finite, norm_clipped, totals.grad_norm),  # nothing clipped
+        skipped=~applied,
+        skip_count=last.skip_count + (~applied).astype(jnp.int32),
+        skip_reason=reason.astype(jnp.int32),
+        loss_scale=loss_scale,
+    )
