@@ -5,13 +5,18 @@ CONSTRAINTS ?= constraints.txt
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The newest JAX (needs Python >= 3.12): a second environment, without torch.
+PYTHON_LATEST ?= $(shell p=$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python; \
+	[ -x "$$p" ] && echo "$$p" || echo python3.12)
+VENV_LATEST := .venv-latest
+STAMP_LATEST := $(VENV_LATEST)/.installed
 
-.PHONY: demo test parity bench clean
+.PHONY: demo test test-fast test-latest lint parity bench clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[torch,test]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[torch,flax,hf,test]'
 	touch $(STAMP)
 
 # The main job: the quick parity report (JAX vs PyTorch vs the big batch, and
@@ -19,8 +24,27 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 demo: $(STAMP)
 	$(PY) -m parity_tests --device cpu --quick --out out/parity-quick
 
+# Everything: unit tests, processes, the parity suite, the lessons, benchmark smoke runs.
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The unit tests, under a minute on 2 cores (`slow` marks the rest).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+$(STAMP_LATEST): pyproject.toml constraints-latest.txt
+	test -x $(VENV_LATEST)/bin/python || $(PYTHON_LATEST) -m venv $(VENV_LATEST)
+	$(VENV_LATEST)/bin/python -m pip install -q --upgrade pip
+	$(VENV_LATEST)/bin/python -m pip install -q -c constraints-latest.txt -e '.[flax,test]'
+	touch $(STAMP_LATEST)
+
+# Every test that does not need torch, on the newest JAX/Flax/NumPy (torch's skip).
+test-latest: $(STAMP_LATEST)
+	$(VENV_LATEST)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 parity: $(STAMP)
 	$(PY) -m parity_tests --device cpu --out out/parity
@@ -29,4 +53,4 @@ bench: $(STAMP)
 	$(PY) -m benchmarks --out docs/benchmarks.md
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV_LATEST) build *.egg-info

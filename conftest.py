@@ -1,9 +1,61 @@
-"""Test-wide setup: 8 fake CPU devices for JAX, set before any JAX operation."""
+"""Test-wide setup: 8 fake CPU devices for JAX, set before any JAX operation; strict numerics."""
 
+import importlib.util
 import os
+import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# Strict: an implicit dtype promotion or rank broadcast in the project's code is an error.
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# examples/ are lessons and scripts: examples/lessons_test.py runs them as a user
+# would; --doctest-modules must not import them as modules.
+collect_ignore_glob = ["examples/[0-9][0-9]_*.py", "examples/_common.py", "examples/flax_lm/train.py",
+                       "examples/flax_lm/linen_train_state.py", "benchmarks/__main__.py",
+                       "parity_tests/__main__.py", "testkit/multihost_worker.py"]  # fmt: skip
+
+
+# Without torch (`make test-latest`: Python 3.12 has no CPU build of it here), the
+# packages that need it are one skipped test each, with that reason, instead of an
+# import error: their __init__ imports torch, so a module-level importorskip cannot run.
+NEEDS_TORCH = {"torch_ref"}
+NO_TORCH = "needs torch: no CPU build for this Python here (make test-latest runs without it)"
+
+
+class _SkippedPackage(pytest.Directory):
+    def collect(self):
+        yield _Skipped.from_parent(self, name="needs_torch")
+
+
+class _Skipped(pytest.Item):
+    def runtest(self):
+        pytest.skip(f"{self.parent.path.name}/: {NO_TORCH}")
+
+    def reportinfo(self):
+        return self.path, None, f"{self.path.name}: {NO_TORCH}"
+
+
+def pytest_collect_directory(path, parent):
+    if path.name in NEEDS_TORCH and path.parent == parent.config.rootpath:
+        if importlib.util.find_spec("torch") is None:
+            return _SkippedPackage.from_parent(parent, path=path)
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """torch on one intra-op thread in tests that use it: the tiny models gain nothing
+    from more, and on small hosts 2 OpenMP threads make every op far slower."""
+    if "torch" not in sys.modules:
+        yield
+        return
+    from tinygpt.torch_gpt import one_cpu_thread
+
+    with one_cpu_thread():
+        yield

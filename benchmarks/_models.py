@@ -1,7 +1,8 @@
 """The benchmarked models, as ``(params, loss_fn, make_batch)``.
 
 * the tiny GPT: the Flax NNX twin of ``torch_ref.TinyGPT``
-  (``parity_tests/flax_gpt.py``), token-level causal-LM loss;
+  (``tinygpt/flax_gpt.py``), token-level causal-LM loss, on the project's skewed
+  samples (``tinygpt.data.skewed_batch``, random ids);
 * an MLP of ``layers`` square ``width x width`` matrices (10 x 1000 x 1000 =
   10.0M parameters by default), summed squared error: a model whose
   forward/backward is cheap next to its optimizer, which is where the
@@ -23,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxaccum
-from parity_tests import flax_gpt
+from tinygpt import data, flax_gpt
+from tinygpt.weights import init_state_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +74,7 @@ def tiny_gpt(
     """The tiny GPT (default config: 2 layers, d=64, vocab 256: 141k params)."""
     config = config or gpt_config()
     params = flax_gpt.params_from_state_dict(
-        flax_gpt.init_state_dict(config, seed=seed), config, dtype=param_dtype
+        init_state_dict(config, seed=seed), config, dtype=param_dtype
     )
 
     def loss_fn(params, batch):
@@ -80,9 +82,10 @@ def tiny_gpt(
         return jaxaccum.losses.causal_lm(logits, batch["labels"])
 
     def batch(rows: int, seed: int) -> dict[str, np.ndarray]:
-        rng = np.random.default_rng(seed)
-        tokens = rng.integers(0, config.vocab_size, (rows, seq_len)).astype(np.int32)
-        return {"tokens": tokens, "labels": tokens.copy()}
+        tokens, labels = data.skewed_batch(
+            seed, rows=rows, seq_len=seq_len, vocab=config.vocab_size
+        )
+        return {"tokens": tokens, "labels": labels}
 
     n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     kind = "tiny GPT" if n < 10**7 else "GPT"

@@ -16,6 +16,8 @@ import pytest
 
 from benchmarks import _common, _models, comm, gpu, jax_vs_torch, micro_step, report, scan, state
 
+pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
+
 K = 3
 
 

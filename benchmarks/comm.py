@@ -241,7 +241,9 @@ def torch_counts(
     ]
     results = []
     for bug, res in zip(
-        (None, "no_sync_backward_only"), torch_ref.run_scenarios(scenarios, timeout_s=timeout_s)
+        (None, "no_sync_backward_only"),
+        torch_ref.run_scenarios(scenarios, timeout_s=timeout_s),
+        strict=False,
     ):
         buckets = [c["allreduce_buckets"] for c in res.comm]
         synced = [c["synced_backwards"] for c in res.comm]
@@ -252,6 +254,7 @@ def torch_counts(
                 else "torch_ref bug: no_sync_backward_only",
                 "per_window": float(np.median(buckets)),
                 "synced_backwards": float(np.median(synced)),
+                "world": world,
             }
         )
     return results
@@ -304,31 +307,34 @@ def run(
     ]
     gspmd = next(r for r in jax_results if "GSPMD" in r["name"])
     explicit = next(r for r in jax_results if "Explicit" in r["name"])
+    mib = lambda r: f"{r['bytes_per_window'] / 2**20:.2f} MiB"
+    counts = lambda r: (
+        f"{r['micro_step']} on a micro-step's path, {r['boundary']} at the boundary, "
+        f"{r['per_window']} per window, {mib(r)}"
+    )
     body += [
         "",
         f"Under plain `jit` on an Explicit mesh with `axis_name`, the window's sums stay "
-        f"unreduced between calls and the boundary all-reduces them once "
-        f"({explicit['micro_step']} all-reduce(s) on a micro-step's path, "
-        f"{explicit['per_window']} per window, {explicit['bytes_per_window'] / 2**20:.2f} MiB: the "
-        f"gradient, the loss and the items together). Without the axis name the result is still "
-        f"the big-batch update, but the state's `grad_sum` is replicated, so XLA's partitioner "
-        f"all-reduces every micro-step's gradient before adding it ({gspmd['micro_step']} on a "
-        f"micro-step's path, {gspmd['per_window']} per window, "
-        f"{gspmd['bytes_per_window'] / 2**20:.2f} MiB).",
+        f"unreduced between calls and the boundary all-reduces them ({counts(explicit)}"
+        + (": the gradient, the loss and the items in one" if explicit["per_window"] == 1 else "")
+        + "). Without the axis name the state's `grad_sum` is replicated and XLA's partitioner "
+        f"places the all-reduces ({counts(gspmd)}); the update is the same "
+        "(`jaxaccum/_equivalence_test.py` checks it).",
         "",
-        f"Per-window time on these {len(devices)} CPU devices, jit with the axis name over jit "
+        f"Per-window time on these {len(devices)} devices, jit with the axis name over jit "
         f"without: {timing['ratio_wall']:.2f} wall-clock [rounds {timing['spread_wall']}] "
         f"({1e3 * timing['window_wall'][0]:.1f} ms vs {1e3 * timing['window_wall'][1]:.1f} ms), "
-        f"{timing['ratio_cpu']:.2f} in CPU time. Informative only: the fake CPU devices share the "
-        "host's cores and memory, so an all-reduce costs little here; the GPU section measures it "
-        "on real interconnect.",
+        f"{timing['ratio_cpu']:.2f} in CPU time. Informative only: these are "
+        f"{devices[0].platform.upper()} devices of one host, sharing its cores and memory; no "
+        "section of this report times an all-reduce over a real interconnect.",
     ]
     if torch_results:
         body += [
             "",
-            f"PyTorch DDP, 2 gloo ranks, tiny GPT, k = {k}, counted by a DDP communication hook "
-            "(median over windows; torch_ref also all-reduces two small scalars per window, the "
-            "count and the loss, outside DDP):",
+            f"PyTorch DDP, {torch_results[0]['world']} ranks on the CPU (gloo), tiny GPT, "
+            f"k = {k}, counted by a DDP communication hook (median over windows; the hook sees "
+            "DDP's gradient buckets only, not torch_ref's own all-reduces of a few scalars, "
+            "`sum_over_ranks`):",
             "",
             table(
                 ["run", "gradient bucket all-reduces per window", "backwards that synced"],

@@ -25,7 +25,7 @@ import jaxaccum
 from benchmarks import _common
 from benchmarks._common import Section, table
 from benchmarks._models import copy_tree, gpt_config, tiny_gpt
-from parity_tests import flax_gpt
+from tinygpt.weights import init_state_dict
 
 
 def run(
@@ -44,7 +44,7 @@ def run(
 
     config = config or gpt_config(block_size=max(seq_len, 128))
     model = tiny_gpt(config, seq_len=seq_len)
-    weights = flax_gpt.init_state_dict(config, seed=0)
+    weights = init_state_dict(config, seed=0)
     batches = [model.batch(rows, seed) for seed in range(k)]
     tokens = k * rows * seq_len
 

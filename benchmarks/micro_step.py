@@ -148,6 +148,9 @@ def run(cases: list[Case], *, k: int = 4, rounds: int = 5) -> Section:
                         "window_wall": _common.median([w[0] for w in windows]),
                         "window_cpu": _common.median([w[1] for w in windows]),
                         "param_bytes": tree_bytes(case.model.params),
+                        "inner_bytes": tree_bytes(
+                            jax.eval_shape(INNERS[case.inner]().init, case.model.params)
+                        ),
                         "windows": windows,
                         **copies(v, case.model.params, k),
                     }
@@ -214,14 +217,8 @@ def _section(results: list[dict], k: int) -> Section:
             rows,
         ),
     ]
-    body += [
-        "",
-        "For the tiny GPT the optimizer is a small part of a step (forward and backward "
-        "dominate), so its ratios measure the wrappers' fixed per-call costs; the MLP is the "
-        "case where the inner optimizer's work and the optimizer state's copies dominate.",
-        "",
-        _analysis(results),
-    ]
+    analysis, quoted = _analysis(results, k)
+    body += ["", _optimizer_share(results), "", analysis]
     summary = []
     for r in results:
         if r["label"] != "jaxaccum":
@@ -240,21 +237,40 @@ def _section(results: list[dict], k: int) -> Section:
         "1. Per-micro-step cost: jaxaccum.multi_steps vs optax.MultiSteps",
         "\n".join(body),
         summary,
-        {"results": results},
+        {"results": results, "quoted": quoted},
+    )
+
+
+def _optimizer_share(results: list[dict]) -> str:
+    """How much of a step the inner update is, per model, from jaxaccum's donated timings."""
+    parts = [
+        f"{r['boundary_wall'] / r['between_wall']:.2f}x for the {r['model'].split(' (')[0]}"
+        for r in results
+        if r["label"] == "jaxaccum" and r["donate"] and r["inner"] == "adamw"
+    ]
+    return (
+        "jaxaccum's boundary call is a micro-step plus the inner update; its wall time over a "
+        f"micro-step's: {', '.join(parts)}. The larger that factor, the more of a step is the "
+        "inner optimizer's work, which optax.MultiSteps does on every call; the smaller, the "
+        "more the ratios above measure the wrappers' fixed per-call costs."
     )
 
 
 # Per-window copies (MLP 10 x 1000x1000, AdamW, k = 4; units of P) of jaxaccum 0.1, measured by
 # this benchmark on 2026-11-30 (docs/benchmarks.md of that day), before the boundary's inner
 # update got its own loop and before the `lax.cond` variant was removed.
+HISTORY_MODEL, HISTORY_K, HISTORY_DATE = "MLP (10 x 1000x1000, 10.00M params)", 4, "2026-11-30"
 HISTORY_0_1 = {
     "jaxaccum 0.1 (one while loop, select over the inner state)": ("7.6 P", "15.6 P", 0.81, 1.55),
     "jaxaccum 0.1, lax.cond boundary (removed)": ("20.6 P", "12.6 P", 1.48, 1.22),
 }
 
 
-def _analysis(results: list[dict]) -> str:
-    """The copy analysis, with this run's counts (largest model, AdamW)."""
+def _analysis(results: list[dict], k: int) -> tuple[str, list[str]]:
+    """The copy analysis, with this run's counts (largest model, AdamW).
+
+    Returns the markdown and the figures it quotes from other runs (for the report's header).
+    """
     model = max((r for r in results if r["inner"] == "adamw"), key=lambda r: r["param_bytes"])[
         "model"
     ]
@@ -263,6 +279,10 @@ def _analysis(results: list[dict]) -> str:
         for r in results
         if r["model"] == model and r["inner"] == "adamw"
     }
+    if not all(
+        (label, d) in pick for label in ("jaxaccum", "optax.MultiSteps") for d in (True, False)
+    ):
+        return "", []
     in_p = lambda r, where: r[where + "_bytes"] / r["param_bytes"]
     cell = lambda r, where: f"{r[where + '_copies']} ({in_p(r, where):.1f} P)"
     window = lambda r: f"{r['window_bytes'] / r['param_bytes']:.1f} P"
@@ -278,63 +298,78 @@ def _analysis(results: list[dict]) -> str:
             )
         ]
         for label in ("jaxaccum", "optax.MultiSteps")
-        if (label, True) in pick and (label, False) in pick
     ]
-    if ("jaxaccum", True) not in pick or ("jaxaccum", False) not in pick:
-        return ""
     ours, ours_nd = pick[("jaxaccum", True)], pick[("jaxaccum", False)]
-    history = [
-        [label, donated, not_donated, f"{r_d:.2f}", f"{r_nd:.2f}"]
-        for label, (donated, not_donated, r_d, r_nd) in HISTORY_0_1.items()
-    ] + [
-        [
-            "jaxaccum, this run",
-            window(ours),
-            window(ours_nd),
-            f"{ours['ratio_window_cpu']:.2f}",
-            f"{ours_nd['ratio_window_cpu']:.2f}",
-        ]
+    theirs, theirs_nd = pick[("optax.MultiSteps", True)], pick[("optax.MultiSteps", False)]
+    inner_p = ours["inner_bytes"] / ours["param_bytes"]  # the inner AdamW state, in P
+    same_size = lambda r, where: abs(in_p(r, where) - inner_p) < 0.05  # to the table's 0.1 P
+
+    if ours["between_copies"] == 0:
+        donated = (
+            "between boundaries the loop makes zero trips and its program has no parameter-shaped "
+            f"copy on a micro-step's path ({cell(ours, 'between')}): the inner state and the "
+            "window sums stay in the donated buffers"
+        )
+    else:
+        donated = (
+            f"between boundaries the loop makes zero trips; a micro-step's path still has "
+            f"{cell(ours, 'between')} parameter-shaped copies"
+        )
+    not_donated = f"jaxaccum's program has {cell(ours_nd, 'between')} on a micro-step's path" + (
+        f", the size of its inner AdamW state ({inner_p:.1f} P): a state leaf returned "
+        "unchanged without donation must be copied into a distinct output buffer"
+        if same_size(ours_nd, "between")
+        else f" (its inner AdamW state is {inner_p:.1f} P)"
+    )
+    lines = [
+        f"**Why, from the compiled HLO** ({model}, AdamW; parameter-shaped `copy` instructions "
+        "on each path, bytes in units of P = the parameters' bytes; per window = (k - 1) "
+        "micro-steps + the boundary):",
+        "",
+        table(
+            [
+                "variant",
+                "donated: micro-step",
+                "donated: boundary",
+                "donated: per window",
+                "not donated: micro-step",
+                "not donated: boundary",
+                "not donated: per window",
+            ],
+            rows,
+        ),
+        "",
+        f"- *jaxaccum, donated.* The loop carry aliases the donated state buffers: {donated}. "
+        f"The boundary's path has {cell(ours, 'boundary')}; the inner update there runs in a "
+        "nested loop that makes one trip only for an applied window (no select over the inner "
+        "state). The HLO counts these copies; this benchmark does not attribute them to buffers.",
+        "- *optax.MultiSteps, donated.* It runs AdamW on every call, and every call's path has "
+        f"{cell(theirs, 'between')} (the parameters, the inner state and the accumulator hold "
+        f"{2 + inner_p:.1f} P together).",
+        f"- *not donated.* {not_donated}; optax.MultiSteps's has {cell(theirs_nd, 'between')}: it "
+        "writes its outputs by recomputing AdamW on every call. Donate the train step's params "
+        "and optimizer state (`donate_argnums`).",
     ]
-    return "\n".join(
-        [
-            f"**Why, from the compiled HLO** ({model}, AdamW; parameter-shaped `copy` instructions "
-            "on each path, bytes in units of P = the parameters' bytes; per window = (k - 1) "
-            "micro-steps + the boundary):",
-            "",
-            table(
-                [
-                    "variant",
-                    "donated: micro-step",
-                    "donated: boundary",
-                    "donated: per window",
-                    "not donated: micro-step",
-                    "not donated: boundary",
-                    "not donated: per window",
-                ],
-                rows,
-            ),
-            "",
-            f"- *jaxaccum, donated.* The loop carry aliases the donated state buffers: between "
-            f"boundaries the loop makes zero trips and the inner state and the window sums are "
-            f"updated in place ({cell(ours, 'between')} on a micro-step's path). At the boundary "
-            f"({cell(ours, 'boundary')}) XLA copies the window sum it reads before writing the "
-            "fresh zeros of the next window into the same buffer, and materializes those zeros; "
-            "the inner update runs in a nested loop that makes one trip only for an applied "
-            "window, so it needs no select over the inner state, and no copy of it.",
-            "- *optax.MultiSteps, donated.* It runs AdamW on every call; XLA copies each donated "
-            "input that fused loops read while writing into the buffer aliased with it "
-            f"(parameters, moments, accumulator): {cell(pick[('optax.MultiSteps', True)], 'between')}"
-            " on every call.",
-            f"- *not donated.* Every output must land in a buffer distinct from the inputs, so a "
-            f"state leaf passed through unchanged is a copy: jaxaccum copies its inner state on "
-            f"every call ({cell(ours_nd, 'between')} for AdamW's two moments), which is inherent "
-            "to a program that returns the inner state without donation. optax.MultiSteps writes "
-            "the same output buffers by recomputing AdamW every call (no `copy` instruction, the "
-            "same bytes written, plus the optimizer arithmetic). Donate the train step's params "
-            "and optimizer state (`donate_argnums`).",
+    quoted = []
+    if model == HISTORY_MODEL and k == HISTORY_K:  # the model and window the 0.1 rows measured
+        quoted.append(f"section 1's jaxaccum 0.1 rows, measured on {HISTORY_DATE}")
+        history = [
+            [label, donated_p, not_donated_p, f"{r_d:.2f}", f"{r_nd:.2f}"]
+            for label, (donated_p, not_donated_p, r_d, r_nd) in HISTORY_0_1.items()
+        ] + [
+            [
+                "jaxaccum, this run",
+                window(ours),
+                window(ours_nd),
+                f"{ours['ratio_window_cpu']:.2f}",
+                f"{ours_nd['ratio_window_cpu']:.2f}",
+            ]
+        ]
+        lines += [
             "",
             "Per window, against jaxaccum 0.1 (copies in P; per-window CPU-time ratio against "
-            "optax.MultiSteps; the 0.1 rows were measured by this benchmark on 2026-11-30):",
+            f"optax.MultiSteps; the 0.1 rows are not from this run: this benchmark measured them "
+            f"on {HISTORY_DATE}):",
             "",
             table(
                 [
@@ -347,4 +382,4 @@ def _analysis(results: list[dict]) -> str:
                 history,
             ),
         ]
-    )
+    return "\n".join(lines), quoted

@@ -58,16 +58,19 @@ def render(sections: list[Section], info: dict[str, str], command: str, seconds:
         for s in sections
         for fig, measured, target, met in s.summary
     ]
+    quoted = [q for s in sections for q in s.data.get("quoted", [])]
+    except_ = f" (except {'; '.join(quoted)}, which say so)" if quoted else ""
     lines = [
         "# Benchmarks",
         "",
         f"Written by `{command}` in {seconds / 60:.1f} min. Every figure is a ratio or a count "
-        "measured in this one run: timings of compared variants are interleaved (A, B, A, B, ...; "
-        "medians), after a warm-up that compiles them. The host may be shared with other work, so "
-        "absolute times are indicative only; the ratios and counts are the figures. A timing "
-        "ratio is the median of the per-round ratios; [rounds lo-hi] gives the lowest and highest "
-        "round. Counts (all-reduces, copies, bytes) are read from compiled programs and do not "
-        "depend on load.",
+        f"measured in this one run{except_}: timings of compared variants are interleaved (A, B, "
+        "A, B, ...; medians), after a warm-up that compiles them. The host may be shared with "
+        "other work, so absolute times are indicative only; the ratios and counts are the "
+        "figures. A timing ratio is the median of the per-round ratios; [rounds lo-hi] gives the "
+        "lowest and highest round. Counts do not depend on load: all-reduces and copies are read "
+        "from compiled programs, state bytes from `jax.eval_shape`, PyTorch's all-reduces from a "
+        "DDP communication hook.",
         "",
         table(["", ""], [[k, v] for k, v in info.items()]),
         "",

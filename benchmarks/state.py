@@ -23,7 +23,7 @@ def run(models: list[Model], *, k: int = 4) -> Section:
     """State bytes of both wrappers around AdamW (and the bare AdamW state) per model."""
     results = []
     for model in models:
-        shapes = lambda tx: jax.eval_shape(tx.init, model.params)
+        shapes = lambda tx, model=model: jax.eval_shape(tx.init, model.params)
         inner = tree_bytes(shapes(optax.adamw(1e-4)))
         ours = shapes(jaxaccum.multi_steps(optax.adamw(1e-4), k))
         theirs = shapes(optax.MultiSteps(optax.adamw(1e-4), k))

@@ -27,6 +27,10 @@ WINDOWS = [(10, 1000), (100, 900)]  # valid tokens of micro-batch 1 and 2
 SHORT_LOSS, LONG_LOSS = 4.0, 1.0  # token losses of the short / long micro-batch
 N = 1010  # token slots; a window with fewer tokens leaves the rest empty (mask 0)
 
+# The numbers docs/math.md and the READMEs quote, name -> as printed (filled by main();
+# the second window's names start with "w2_").
+HEADLINE: dict[str, str] = {}
+
 
 def token_params(n_short: int, n_long: int) -> tuple[np.ndarray, np.ndarray]:
     """``params[t] = l_t`` for every token slot, and the two micro-batch masks ``[2, N]``."""
@@ -79,7 +83,12 @@ def jaxaccum_multi_steps(params, masks):
 def main() -> int:
     print("Lesson 1: the mean of means (the bug of TRL issue 2175)")
     print(f"token losses: {SHORT_LOSS} in the short micro-batch, {LONG_LOSS} in the long one\n")
-    for n_short, n_long in WINDOWS:
+    HEADLINE.update(short_loss=f"{SHORT_LOSS}", long_loss=f"{LONG_LOSS}")
+    for window, (n_short, n_long) in enumerate(WINDOWS):
+        prefix = "w2_" if window else ""
+        HEADLINE.update(
+            {prefix + "short_tokens": f"{n_short}", prefix + "long_tokens": f"{n_long}"}
+        )
         n = n_short + n_long
         params, masks = token_params(n_short, n_long)
         (big, big_loss), (mom, mom_loss), (ours, our_loss) = (
@@ -98,12 +107,21 @@ def main() -> int:
             ("optax.MultiSteps (mean of means)", mom, mom_loss),
             ("jaxaccum.multi_steps", ours, our_loss),
         ]
-        for name, w, loss in rows:
+        for (name, w, loss), key in zip(rows, ("big_", "", "jaxaccum_"), strict=True):
             short, long_ = float(w[0]), float(w[last])
             share = short * n_short  # the short micro-batch's share of the window's weight
             print(
                 f"  {name:34} {fraction(short):>12} {fraction(long_):>12} {short / long_:>10.0f}"
                 f" {share:>11.2%} {loss:>7.4f}"
+            )
+            HEADLINE.update(
+                {
+                    f"{prefix}{key}short_token_weight": fraction(short),
+                    f"{prefix}{key}long_token_weight": fraction(long_),
+                    f"{prefix}{key}short_over_long": f"{short / long_:.0f}",
+                    f"{prefix}{key}short_share": f"{share:.2%}",
+                    f"{prefix}{key or 'mean_of_means_'}loss": f"{loss:.4f}",
+                }
             )
 
         # float32: a weight 1/n is exact to ~1e-7 relative; 1e-5 leaves room for the summation.

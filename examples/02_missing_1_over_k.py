@@ -32,6 +32,9 @@ import jaxaccum
 MASK = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], np.float32)
 REPORTED = 0.42  # the loss at k = 1 in the report
 
+# The numbers docs/math.md and the READMEs quote, name -> as printed (filled by main()).
+HEADLINE: dict[str, str] = {}
+
 
 def micro_batches(means) -> np.ndarray:
     """Per-token losses ``[k, 2, 5]``: micro-batch m has token mean ``means[m]``."""
@@ -103,6 +106,15 @@ def main() -> int:
             f"{k:>3} | {bad_loss:>12.2f} {bad_grad:>6.2f} {bad_grad / our_grad:>7.1f} |"
             f" {our_loss:>14.2f} {our_grad:>6.2f}"
         )
+        HEADLINE.update(
+            {
+                f"k{k}": f"{k}",
+                f"loss_without_1_over_k_k{k}": f"{bad_loss:.2f}",
+                f"grad_without_1_over_k_k{k}": f"{bad_grad:.2f}",
+                f"jaxaccum_loss_k{k}": f"{our_loss:.2f}",
+                f"jaxaccum_grad_k{k}": f"{our_grad:.2f}",
+            }
+        )
         # float32 sums of k * 8 copies of 0.42: 1e-6 relative
         assert abs(bad_loss - REPORTED * k) <= 1e-6 * k and abs(bad_grad - REPORTED * k) <= 1e-6 * k
         assert abs(our_loss - REPORTED) <= 1e-6 and abs(our_grad - REPORTED) <= 1e-6
@@ -116,9 +128,18 @@ def main() -> int:
         f" jaxaccum {our_loss:.3f}"
         f" (ratio {bad_loss / our_loss:.1f}x = k)"
     )
+    HEADLINE.update(
+        reported_loss=f"{REPORTED}",
+        reported_losses=", ".join(f"{x:.2f}" for x in means),
+        reported_sum_without_1_over_k=f"{bad_loss:.3f}",
+        reported_window_loss=f"{our_loss:.3f}",
+    )
     # float32: sums of 32 numbers near 0.4, 1e-6 relative
     assert abs(bad_loss - sum(means)) <= 1e-6 and abs(our_loss - sum(means) / 4) <= 1e-6
-    print("At k=4 the loss 0.42 becomes 1.68 and so does the gradient: the learning rate x 4.")
+    k4_loss = HEADLINE["loss_without_1_over_k_k4"]
+    print(
+        f"At k=4 the loss {REPORTED} becomes {k4_loss} and so does the gradient: the learning rate x 4."
+    )
     return 0
 
 

@@ -38,6 +38,10 @@ TOKENS = [(4, 6), (500, 500), (90, 0), (0, 0)]
 R, K = len(TOKENS), len(TOKENS[0])
 N = sum(map(sum, TOKENS))  # 1100
 
+# The numbers docs/math.md and the READMEs quote, name -> as printed (filled by main();
+# a name ending in _r is device r's).
+HEADLINE: dict[str, str] = {}
+
 
 def layout() -> np.ndarray:
     """Masks ``[R, K, N]``: which token slots each (device, micro-batch) holds."""
@@ -97,8 +101,10 @@ def main() -> int:
         f" {'DDP mean forgotten':>18} {'x big':>6} | {'jaxaccum':>8}"
     )
     first = np.cumsum([0] + [sum(t) for t in TOKENS])[:-1]  # first token slot of each device
+    HEADLINE.update(tokens=f"{N}", big_batch_weight=fraction(big))
     for r in range(R):
         n_r = sum(TOKENS[r])
+        HEADLINE.update({f"device_{r}": f"{r}", f"tokens_{r}": f"{n_r}"})
         if n_r == 0:
             print(f"  {r:>6} {n_r:>6} | {'-':>17} {'':>6} | {'-':>18} {'':>6} | {'-':>8}")
             continue
@@ -106,6 +112,14 @@ def main() -> int:
         print(
             f"  {r:>6} {n_r:>6} | {fraction(local[t]):>17} {local[t] / big:>6.3g} |"
             f" {fraction(forgot[t]):>18} {forgot[t] / big:>6.3g} | {fraction(ours[t]):>8}"
+        )
+        HEADLINE.update(
+            {
+                f"local_weight_{r}": fraction(local[t]),
+                f"local_over_big_{r}": f"{local[t] / big:.3g}",
+                f"forgotten_weight_{r}": fraction(forgot[t]),
+                f"jaxaccum_weight_{r}": fraction(ours[t]),
+            }
         )
         # float32: the weights are 1/n up to rounding; 1e-5 relative covers the psum and divisions
         assert is_one_over(float(local[t]), R * n_r)
@@ -118,12 +132,21 @@ def main() -> int:
         f"\nsum of all token weights (big batch: 1): local {total(local):.4f},"
         f" DDP mean forgotten {total(forgot):.4f} = 1/R, jaxaccum {total(ours):.4f}"
     )
+    HEADLINE.update(
+        local_total=f"{total(local):.4f}",
+        forgotten_total=f"{total(forgot):.4f}",
+        jaxaccum_total=f"{total(ours):.4f}",
+        empty_devices=f"{sum(1 for t in TOKENS if sum(t) == 0)}",
+    )
     # float32 sums of 1100 weights: 1e-5 absolute
     assert abs(total(local) - 3 / 4) <= 1e-5
     assert abs(total(forgot) - 1.0 / R) <= 1e-5 and abs(total(ours) - 1.0) <= 1e-5
     print("(local: the empty device still counts in DDP's mean, so 3 of 4 quarters remain)")
-    print("A token on the 10-token device weighs 1/40 instead of 1/1100 (27.5x); a summed")
-    print("loss / N whose gradients DDP then averages is divided by R = 4.")
+    print(
+        f"A token on the {HEADLINE['tokens_0']}-token device weighs {HEADLINE['local_weight_0']}"
+        f" instead of {HEADLINE['big_batch_weight']} ({HEADLINE['local_over_big_0']}x); a summed"
+    )
+    print(f"loss / N whose gradients DDP then averages is divided by R = {R}.")
     return 0
 
 

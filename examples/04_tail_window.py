@@ -30,6 +30,10 @@ import jaxaccum
 K, MICRO_BATCHES, TOKENS = 4, 10, 8
 TX = jaxaccum.multi_steps(optax.sgd(1.0), every_k_schedule=K)
 
+# The numbers docs/math.md quotes, name -> as printed (filled by main(); window_i is the
+# i-th window of the epoch, 1-based, the last one the tail).
+HEADLINE: dict[str, str] = {}
+
 
 def epoch(seed: int = 0) -> np.ndarray:
     """Token values ``a`` of the epoch's micro-batches ``[10, 8]``."""
@@ -55,6 +59,7 @@ def main() -> int:
         f" windows of {[len(w) for w in windows]} micro-batches\n"
     )
 
+    HEADLINE.update(micro_batches=f"{MICRO_BATCHES}", tokens_per_micro_batch=f"{TOKENS}")
     w, state = jnp.float32(1.0), jax.jit(TX.init)(jnp.float32(1.0))
     print(
         f"{'window':>6} {'micro-batches':>13} {'tokens':>6} | {'big batch':>9} {'jaxaccum':>9}"
@@ -71,10 +76,21 @@ def main() -> int:
             f"{i + 1:>6} {len(window):>13} {int(metrics.window_items):>6} | {big:>9.4f} {ours:>9.4f}"
             f" | {fixed:>9.4f} {fixed / big:>6.2f}"
         )
+        HEADLINE.update(
+            {
+                f"window_{i + 1}_micro_batches": f"{len(window)}",
+                f"window_{i + 1}_tokens": f"{int(metrics.window_items)}",
+                f"window_{i + 1}_gradient": f"{ours:.4f}",
+                f"window_{i + 1}_fixed_divisor_gradient": f"{fixed:.4f}",
+                f"window_{i + 1}_fixed_divisor_ratio": f"{fixed / big:.2f}",
+            }
+        )
         # float32 means of 8-32 numbers near 1: 1e-6 relative
         assert abs(ours - big) <= 1e-6 * big
         assert int(metrics.update_id) == i + 1 and int(metrics.window_items) == TOKENS * len(window)
         assert abs(fixed / big - len(window) / K) <= 1e-6  # the tail: 2 / 4
+
+    tail_fixed, tail_ours = fixed / big, ours / big  # the last window: the tail
 
     # The same epoch without end_window: the tail stays open.
     w, state = jnp.float32(1.0), jax.jit(TX.init)(jnp.float32(1.0))
@@ -85,6 +101,11 @@ def main() -> int:
         f"\nwithout end_window: {updates} updates after the epoch, {pending} micro-batches"
         f" ({int(state.num_items)} tokens) wait in the open window"
     )
+    HEADLINE.update(
+        open_updates=f"{updates}",
+        open_micro_batches=f"{pending}",
+        open_tokens=f"{int(state.num_items)}",
+    )
     b = epoch(seed=1)  # the next epoch
     for m in range(K - pending):
         w, state, grad = micro_step(w, state, b[m], jnp.asarray(False))
@@ -94,11 +115,13 @@ def main() -> int:
         f" {int(jaxaccum.window_metrics(state).window_items)} tokens from two epochs,"
         f" gradient {float(grad):.4f} = their mean {float(np.mean(mixed)):.4f}"
     )
+    HEADLINE["merged_window_tokens"] = f"{int(jaxaccum.window_metrics(state).window_items)}"
     assert (updates, pending) == (2, 2) and abs(
         float(grad) - float(np.mean(mixed))
     ) <= 1e-6  # float32 mean of 32
     print(
-        "The fixed divisor gives the tail window 0.50 of its gradient; end_window=True gives 1.00."
+        f"The fixed divisor gives the tail window {tail_fixed:.2f} of its gradient;"
+        f" end_window=True gives {tail_ours:.2f}."
     )
     return 0
 

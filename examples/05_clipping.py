@@ -30,6 +30,9 @@ import jaxaccum
 MAX_NORM = 1.0
 MICRO_BATCHES = [np.array([[10.0, 0.0]]), np.array([[0.0, 1.0]] * 3)]  # token inputs x_t
 
+# The numbers docs/math.md and the READMEs quote, name -> as printed (filled by main()).
+HEADLINE: dict[str, str] = {}
+
 
 def run(tx):
     """Two micro-steps of ``tx``; returns the applied gradient and the window record."""
@@ -77,9 +80,30 @@ def main() -> int:
         f" grad_norm_clipped {float(metrics.grad_norm_clipped):.3f}"
     )
     error = angle(per_mb) - angle(big)
+    sums_norms = " and ".join(f"{np.linalg.norm(x.sum(0)):g}" for x in MICRO_BATCHES)
     print(
-        f"Per micro-batch: each summed-loss gradient (norm 10 and 3) is cut to 1 before adding,"
+        f"Per micro-batch: each summed-loss gradient (norm {sums_norms}) is cut to {MAX_NORM:g}"
+        " before adding,"
         f" so the update turns by {error:.2f} deg and shrinks to norm {np.linalg.norm(per_mb):.3f}."
+    )
+
+    # the big-batch gradient as the docstring writes it, the applied ones as printed
+    for name, g, digits in (
+        ("big", big, "g"),
+        ("window", window, ".3f"),
+        ("per_micro_batch", per_mb, ".3f"),
+    ):
+        HEADLINE[f"{name}_gradient"] = f"({g[0]:{digits}}, {g[1]:{digits}})"
+        HEADLINE[f"{name}_norm"] = f"{np.linalg.norm(g):.3f}"
+        HEADLINE[f"{name}_angle"] = f"{angle(g):.2f}"
+    for m, x in enumerate(MICRO_BATCHES, 1):  # the summed-loss gradient of each micro-batch
+        HEADLINE[f"micro_batch_{m}_norm"] = f"{np.linalg.norm(x.sum(0)):g}"
+    HEADLINE.update(
+        max_grad_norm=f"{MAX_NORM}",
+        clipped_to=f"{MAX_NORM:g}",
+        grad_norm=f"{float(metrics.grad_norm):.3f}",
+        grad_norm_clipped=f"{float(metrics.grad_norm_clipped):.3f}",
+        turn=f"{error:.2f}",
     )
 
     # PyTorch's clip formula: coef = 1 / (norm + 1e-6), so the clipped norm is 1 - 4e-7;

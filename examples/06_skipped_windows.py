@@ -38,6 +38,9 @@ LR = 0.1
 
 GRADS = [math.nan, 1.0, 2.0, 3.0, 4.0, 5.0]  # micro-batch gradients; windows of k = 2
 
+# The numbers docs/math.md quotes, name -> as printed (filled by main(); windows 1-based).
+HEADLINE: dict[str, str] = {}
+
 
 @functools.cache
 def jaxaccum_fns(k: int):
@@ -98,6 +101,12 @@ def part_nan() -> None:
         f" optax.MultiSteps {plain}, with skip_not_finite {per_mb:.2f}"
         f" (windows [1, 2] and [3, 4]: the boundaries moved)"
     )
+    HEADLINE.update(
+        lr=f"{LR}",
+        skipped_window=f"{next(i for i, r in enumerate(records) if bool(r.skipped)) + 1}",
+        jaxaccum_w=f"{w:.2f}",
+        skip_not_finite_w=f"{per_mb:.2f}",
+    )
     # float32 arithmetic on a few numbers of order 1: 1e-6
     assert (
         abs(w - expected) <= 1e-6
@@ -124,6 +133,10 @@ def part_empty() -> None:
         f"   the next window applies normally: loss {float(records[1].loss):.2f}"
         f" over {float(records[1].window_items):.0f} tokens, w = {w:.2f}"
     )
+    HEADLINE.update(
+        empty_next_loss=f"{float(records[1].loss):.2f}",
+        empty_next_tokens=f"{float(records[1].window_items):.0f}",
+    )
     assert bool(r.skipped) and int(r.skip_reason) == jaxaccum.SkipReason.EMPTY
     assert np.isnan(float(r.loss))  # the record's "no value", never a perfect-looking 0.0
     # (1 * 2 + 3 * 6) / 4 = 5 at w = 1, then w = 1 - 0.1 * 5; float32: 1e-6
@@ -149,14 +162,16 @@ def part_loss_scale() -> None:
         return optax.apply_updates(w, update), state, grad
 
     print(
-        "\n3. fp16 loss scaling: w in float16, 2 tokens per micro-batch with gradient 0.75 each"
-        f" at w = 1, k=2, SGD lr {LR}, growth_interval=2"
+        f"\n3. fp16 loss scaling: w in float16, {x.size} tokens per micro-batch with gradient"
+        f" {float(x[0]) - float(y):.2f} each at w = 1, k=2, SGD lr {LR},"
+        f" growth_interval={scaling.growth_interval}"
     )
     print(
         f"   {'window':>6} {'scale':>7} {'fp16 micro-batch grad':>21} {'applied':>7}"
         f" {'reason':>9} {'grad_norm':>11} {'w':>8} {'next scale':>10}"
     )
     w, state, history = jnp.float16(1.0), jax.jit(tx.init)(jnp.float16(1.0)), []
+    applied_norms = {}  # window (1-based) -> its unscaled gradient, as printed
     for window in range(4):
         scale = float(jaxaccum.loss_scale(state))
         for _ in range(2):
@@ -171,6 +186,7 @@ def part_loss_scale() -> None:
             f" {float(w):>8.4f} {float(r.loss_scale):>10.0f}"
         )
         if applied:  # unscaled once: the float32 big-batch gradient (w - y), to fp16 rounding
+            applied_norms[window + 1] = f"{float(r.grad_norm):.4f}"
             assert abs(float(r.grad_norm) - (w_before - 0.25)) <= 1e-3  # fp16: 11-bit mantissa
     # 0.75 * 2 tokens * 2^16 = 98304 > 65504 (fp16 max): inf; at 2^15: 49152 fits
     assert history == [
@@ -181,13 +197,38 @@ def part_loss_scale() -> None:
     ]
     assert int(state.last_window.update_id) == 2 and int(state.last_window.skip_count) == 2
     fp16_max = float(np.finfo(np.float16).max)
+    token_grad = float(x[0]) - float(y)  # (w x - y) x at w = 1
+    skipped = [i + 1 for i, (_, applied, _) in enumerate(history) if not applied]
+    first, second = applied_norms
+    per_scale = token_grad * x.size  # a micro-batch's fp16 gradient over the scale
+    whole = {  # printed as integers
+        "fp16_max": fp16_max,
+        "tokens_per_micro_batch": x.size,
+        "init_scale": history[0][0],
+        "overflowing_sum": per_scale * history[0][0],
+        "overflow_window": skipped[0],
+        "backoff_scale": history[0][2],
+        "fitting_sum": per_scale * history[0][2],
+        "first_applied_window": first,
+        "second_applied_window": second,
+        "growth_interval": scaling.growth_interval,
+        "grown_scale": history[second - 1][2],
+        "overflow_again_window": skipped[1],
+    }
+    HEADLINE.update({name: f"{value:.0f}" for name, value in whole.items()})
+    HEADLINE.update(
+        token_gradient=f"{token_grad:.2f}",
+        first_applied_gradient=applied_norms[first],
+        second_applied_gradient=applied_norms[second],
+    )
+    init, backoff = history[0][0], history[0][2]
     print(
-        f"   fp16 max {fp16_max:.0f}: 0.75 x 2 tokens x 65536 = {1.5 * 65536:.0f} overflows,"
-        f" x 32768 = {1.5 * 32768:.0f} fits"
+        f"   fp16 max {fp16_max:.0f}: {token_grad:.2f} x {x.size} tokens x {init:.0f}"
+        f" = {per_scale * init:.0f} overflows, x {backoff:.0f} = {per_scale * backoff:.0f} fits"
     )
     print(
-        "   an overflow at scale 65536 skips the window and halves the scale; 2 applied windows"
-        " double it again"
+        f"   an overflow at scale {init:.0f} skips the window and halves the scale;"
+        f" {scaling.growth_interval} applied windows double it again"
     )
 
 

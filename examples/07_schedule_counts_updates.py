@@ -25,9 +25,15 @@ import optax
 import jaxaccum
 
 UPDATES = 8
-SCHEDULE = optax.warmup_cosine_decay_schedule(
-    init_value=0.1, peak_value=1.0, warmup_steps=3, decay_steps=8, end_value=0.1
+SKIPPED_WINDOW = 3  # the window whose gradient is NaN in the skipped run (1-based)
+SCHEDULE_ARGS = dict(init_value=0.1, peak_value=1.0, warmup_steps=3, decay_steps=8, end_value=0.1)
+SCHEDULE = optax.warmup_cosine_decay_schedule(**SCHEDULE_ARGS)
+SCHEDULE_TEXT = (
+    "warmup_cosine_decay_schedule(" + ", ".join(f"{k}={v}" for k, v in SCHEDULE_ARGS.items()) + ")"
 )
+
+# The numbers docs/math.md quotes, name -> as printed (filled by main(); updates 1-based).
+HEADLINE: dict[str, str] = {}
 
 
 @functools.cache
@@ -69,14 +75,14 @@ def main() -> int:
     for k in (1, 2, 4):
         curves[f"k={k}"] = run(jaxaccum.multi_steps(sgd(learning_rate=SCHEDULE), k), k, inner_lr)
     k4 = jaxaccum.multi_steps(sgd(learning_rate=SCHEDULE), 4)
-    curves["k=4, window 3 skipped"] = run(k4, 4, inner_lr, skip_window=2)
+    curves[f"k=4, window {SKIPPED_WINDOW} skipped"] = run(
+        k4, 4, inner_lr, skip_window=SKIPPED_WINDOW - 1
+    )
     outside = optax.chain(jaxaccum.multi_steps(optax.identity(), 4), sgd(learning_rate=SCHEDULE))
     curves["k=4, schedule outside"] = run(outside, 4, lambda s: s[1].hyperparams["learning_rate"])
 
     print("Lesson 7: schedules count updates")
-    print(
-        "warmup_cosine_decay_schedule(init 0.1, peak 1.0 at update 4, cosine to 0.1 from update 9)\n"
-    )
+    print(f"{SCHEDULE_TEXT}\n")
     print(f"{'update':>6} | " + " | ".join(f"{name:>21}" for name in curves))
     for u in range(UPDATES):
         print(f"{u + 1:>6} | " + " | ".join(f"{lrs[u]:>21.4f}" for lrs in curves.values()))
@@ -85,17 +91,29 @@ def main() -> int:
     expected = schedule_at(np.arange(UPDATES)).tolist()
     # the same float32 schedule at the same update counts; jit may fuse the cosine
     # differently from eager: 1e-6 absolute
-    for name in ("k=1", "k=2", "k=4", "k=4, window 3 skipped"):
+    for name in ("k=1", "k=2", "k=4", f"k=4, window {SKIPPED_WINDOW} skipped"):
         assert np.allclose(curves[name], expected, rtol=0, atol=1e-6), name
     # outside: update u is the (4u + 4)-th call, the schedule sees count 4u + 3
     outside_lrs = curves["k=4, schedule outside"]
     assert np.allclose(outside_lrs, schedule_at(4 * np.arange(UPDATES) + 3), rtol=0, atol=1e-6)
     at_end = next(u for u, lr in enumerate(outside_lrs) if abs(lr - 0.1) <= 1e-6)
     assert at_end == 2  # count 11 >= decay_steps 8
+    far = schedule_at(np.arange(4 * UPDATES)).tolist()  # the schedule's own curve, per update
+    peak = int(np.argmax(far))
+    # the first update after the peak at the end value, to float32 rounding of the cosine (1e-6)
+    end = next(u for u in range(peak, len(far)) if abs(far[u] - far[-1]) <= 1e-6)
+    counts = {"updates": UPDATES, "skipped_window": SKIPPED_WINDOW, "peak_update": peak + 1}
+    counts.update(end_update=end + 1, outside_end_update=at_end + 1)  # updates count from 1
+    HEADLINE.update({name: str(n) for name, n in counts.items()})
+    HEADLINE.update({name: f"{far[i]:.1f}" for name, i in (("init_lr", 0), ("peak_lr", peak))})
+    HEADLINE.update(end_lr=f"{far[-1]:.1f}", inside_lrs=", ".join(f"{lr:.4f}" for lr in expected))
+    for name, lr in (("inside_first", expected[0]), ("outside_first", outside_lrs[0])):
+        HEADLINE[f"{name}_lr"] = f"{lr:.4f}"
+    HEADLINE["outside_end_lr"] = f"{outside_lrs[-1]:.4f}"
     print(
         f"\nupdate 1 uses lr {expected[0]:.4f} for any k (inside), but {outside_lrs[0]:.4f} with the"
         f" schedule outside (it counted 3 micro-steps);\nthere the learning rate reaches its end value"
-        f" {outside_lrs[-1]:.4f} at update {at_end + 1} instead of update 9."
+        f" {outside_lrs[-1]:.4f} at update {at_end + 1} instead of update {end + 1}."
     )
     return 0
 

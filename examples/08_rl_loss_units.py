@@ -40,6 +40,10 @@ MAX_COMPLETION_LENGTH = 128
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 LAYOUTS = [(1, 1), (1, 4), (4, 2)]  # (R devices, k micro-batches); (1, 1) is the big batch
 
+# The numbers docs/math.md quotes, name -> as printed (filled by main(); <loss_type>_R<r>_k<k>
+# is the window loss of that loss type cut into r devices x k micro-batches).
+HEADLINE: dict[str, str] = {}
+
 
 def window() -> tuple[np.ndarray, np.ndarray]:
     """Per-token losses and the completion mask, ``[8, 128]``."""
@@ -84,7 +88,9 @@ def run_layout(devices: int, k: int, token_loss, mask) -> dict[str, tuple[float,
     mesh, losses = layout_fn(devices, k)
     shape = (devices, k, len(LENGTHS) // (devices * k), MAX_COMPLETION_LENGTH)  # rows in order
     put = lambda x: jax.device_put(x.reshape(shape), NamedSharding(mesh, P(AXIS)))
-    return {t: (float(l), float(g)) for t, (l, g) in losses(put(token_loss), put(mask)).items()}
+    return {
+        t: (float(loss), float(g)) for t, (loss, g) in losses(put(token_loss), put(mask)).items()
+    }
 
 
 def main() -> int:
@@ -96,6 +102,10 @@ def main() -> int:
         f" {MAX_COMPLETION_LENGTH}), {int(mask.sum())} valid tokens\n"
     )
     results = {layout: run_layout(*layout, token_loss, mask) for layout in LAYOUTS}
+    sizes = dict(completions=len(LENGTHS), shortest=min(LENGTHS), longest=max(LENGTHS))
+    sizes.update(valid_tokens=int(mask.sum()), max_completion_length=MAX_COMPLETION_LENGTH)
+    sizes["dr_grpo_denominator"] = len(LENGTHS) * MAX_COMPLETION_LENGTH
+    HEADLINE.update({name: str(n) for name, n in sizes.items()})
 
     # The big-batch objectives, in float64 numpy.
     l64, n_tokens = token_loss.astype(np.float64), mask.sum(-1)
@@ -117,6 +127,9 @@ def main() -> int:
     for loss_type in LOSS_TYPES:
         values = [results[layout][loss_type][0] for layout in LAYOUTS]
         spread = max(values) - min(values)
+        HEADLINE[f"{loss_type}_spread"] = f"{spread:.4f}"
+        for (r, k), v in zip(LAYOUTS, values, strict=True):
+            HEADLINE[f"{loss_type}_R{r}_k{k}"] = f"{v:.4f}"
         print(
             f"{loss_type:>9} | " + " | ".join(f"{v:>8.4f}" for v in values) + f" | {spread:>8.4f}"
         )

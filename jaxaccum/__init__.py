@@ -5,7 +5,7 @@ number of items it adds up), reduce them across devices once per window,
 divide once. The math is in ``docs/math.md`` and ``jaxaccum/_normalize.py``.
 """
 
-from jaxaccum import losses
+from jaxaccum import audit, losses
 from jaxaccum._accumulate import accumulate_gradients
 from jaxaccum._grad import value_and_grad
 from jaxaccum._inspect import has_updated, loss_scale, window_metrics
@@ -22,6 +22,7 @@ __all__ = [
     "WindowMetrics",
     "WindowTotals",
     "accumulate_gradients",
+    "audit",
     "has_updated",
     "loss_scale",
     "losses",

@@ -44,7 +44,7 @@ def update(tx=None, grads=GRADS, state=None, params=PARAMS, **kwargs):
 def run_jitted(tx, grads_seq, counts, loss_sums=None, params=PARAMS):
     """Jitted micro-steps with traced counts/losses; returns (updates list, state)."""
     state = tx.init(params)
-    step = jax.jit(lambda g, s, c, l: tx.update(g, s, params, num_items=c, loss_sum=l))
+    step = jax.jit(lambda g, s, n, loss: tx.update(g, s, params, num_items=n, loss_sum=loss))
     loss_sums = [1.0] * len(counts) if loss_sums is None else loss_sums
     all_updates = []
     for grads, count, loss in zip(grads_seq, counts, loss_sums, strict=True):

@@ -30,7 +30,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxaccum
-from jaxaccum._testing import Layout, skewed_windows, tiny_lm_loss, tiny_lm_params
+from testkit import Layout, skewed_windows, tiny_lm_loss, tiny_lm_params
+
+pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 
 K = 3
 WINDOWS = 4
@@ -149,7 +151,7 @@ def test_the_run_crosses_a_growth_a_skip_and_a_backoff(uninterrupted):
     # the parameters moved (the run is not trivially equal to anything)
     moved = max(
         float(np.max(np.abs(a - b)))
-        for a, b in zip(leaves(uninterrupted["params"]), leaves(tiny_lm_params()))
+        for a, b in zip(leaves(uninterrupted["params"]), leaves(tiny_lm_params()), strict=False)
     )
     assert moved > 1e-2
 
@@ -175,7 +177,7 @@ def test_resume_in_a_new_process_is_bitwise_identical(uninterrupted, interrupt_a
     assert resumed_at == interrupt_after  # micro_step came back from the checkpoint
     expected = leaves(uninterrupted)
     assert len(final) == len(expected)
-    for got, want in zip(final, expected):
+    for got, want in zip(final, expected, strict=False):
         # bitwise: the same jitted ops on the same values, deterministic CPU
         np.testing.assert_array_equal(got, want)
         assert got.dtype == want.dtype

@@ -19,7 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from jaxaccum import losses
-from jaxaccum._testing import entry_fusions
+from testkit import standard
+from testkit.hlo import entry_fusions
 
 DEVICES = 4
 
@@ -170,16 +171,32 @@ def test_nnx_helpers_return_plain_arrays_eagerly_and_under_nnx_jit():
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 
 
-@pytest.mark.parametrize("mu_dtype", [None, jnp.float32], ids=["adam", "adam_mu_fp32"])
-@pytest.mark.parametrize("grad_dtype", DTYPES, ids=lambda d: f"grads_{d}")
-@pytest.mark.parametrize("param_dtype", DTYPES, ids=lambda d: f"params_{d}")
+def dtype_cases():
+    """optax's mixed-precision MultiSteps cases; three in `make test-fast`, all in `make test`."""
+    fast = {("bf16", "fp32", None), ("fp16", "bf16", jnp.float32), ("fp32", "fp16", None)}
+    return [
+        pytest.param(
+            p,
+            g,
+            mu,
+            id=f"params_{p}-grads_{g}-{'adam_mu_fp32' if mu else 'adam'}",
+            marks=() if (p, g, mu) in fast else pytest.mark.slow,
+        )  # fmt: skip
+        for p in DTYPES
+        for g in DTYPES
+        for mu in (None, jnp.float32)
+    ]
+
+
+@pytest.mark.parametrize("param_dtype, grad_dtype, mu_dtype", dtype_cases())
 def test_update_dtypes_and_values_match_optax_multisteps(param_dtype, grad_dtype, mu_dtype):
     # optax's mixed-precision MultiSteps cases; one item per micro-step, so the
     # window gradient is the mean of the k gradients in both
     k = 3
     params = {"w": jnp.linspace(-1, 1, 5, dtype=DTYPES[param_dtype])}
     inner = lambda: optax.adam(0.1, mu_dtype=mu_dtype)
-    ours, theirs = jaxaccum.multi_steps(inner(), k), optax.MultiSteps(inner(), k)
+    ours = jaxaccum.multi_steps(inner(), k)
+    theirs = standard(optax.MultiSteps(inner(), k).gradient_transformation())
     ours_state, theirs_state = ours.init(params), theirs.init(params)
     ours_update = jax.jit(lambda g, s: ours.update(g, s, params, num_items=1))
     theirs_update = jax.jit(lambda g, s: theirs.update(g, s, params))
@@ -255,6 +272,7 @@ def micro_step_fusions(inner) -> list[str]:
     return entry_fusions(compiled.as_text())
 
 
+@pytest.mark.slow
 def test_micro_step_path_is_the_same_program_for_any_inner_optimizer():
     # the entry computation (what runs between boundaries) adds to the sums and
     # applies a selected zero update; adamw's weight decay and lamb's trust
@@ -278,3 +296,38 @@ def test_accumulate_gradients_sums_everything_in_accumulator_dtype(dtype):
     assert metrics["loss"].dtype == metrics["window_items"].dtype == dtype
     # small integers and a power-of-two divisor: exact in every float dtype
     assert float(grads) == -4.0 and float(metrics["loss"]) == 7.0
+
+
+def test_window_metrics_fields_are_the_shared_record_keys():
+    import bigbatch
+
+    assert jaxaccum.WindowMetrics._fields == bigbatch.RECORD_KEYS
+    assert jaxaccum.SkipReason is bigbatch.SkipReason  # one enum for both frameworks
+
+
+# -- 9. A float64 accumulator works under strict dtype promotion (the session's setting).
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "float64"])
+def test_float64_accumulator_with_loss_scaling_and_clipping_under_strict_promotion(param_dtype):
+    with jax.enable_x64(True):
+        dtype = jnp.dtype(param_dtype)
+        tx = jaxaccum.multi_steps(
+            optax.sgd(1.0),
+            2,
+            accumulator_dtype=jnp.float64,
+            max_grad_norm=100.0,
+            loss_scaling=jaxaccum.DynamicLossScale(init_scale=4.0),
+        )
+        params = {"w": jnp.zeros(3, dtype)}
+        state = tx.init(params)
+        step = jax.jit(
+            lambda g, s: tx.update(
+                g, s, params, num_items=jnp.asarray(2.0, dtype), loss_sum=jnp.asarray(1.0, dtype)
+            )
+        )
+        for _ in range(2):  # each micro-step: loss scaled by 4, so grad sum 4 per item pair
+            updates, state = step({"w": jnp.full(3, 4.0, dtype)}, state)
+        assert updates["w"].dtype == dtype
+        # window sum 8 over 4 items and scale 4: 0.5, exact in both dtypes; sgd(1) negates
+        np.testing.assert_array_equal(np.asarray(updates["w"]), np.full(3, -0.5))

@@ -7,6 +7,10 @@ import re
 
 import pytest
 
+from testkit import standard_numerics
+
+pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -20,7 +24,8 @@ def run_blocks(blocks: list[str], name: str) -> str:
     """Runs the blocks in order in one namespace; returns what they printed."""
     namespace: dict = {}
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    # the documents' code is user code: it runs under JAX's default promotion rules
+    with contextlib.redirect_stdout(out), standard_numerics():
         for i, block in enumerate(blocks):
             exec(compile(block, f"{name} (block {i + 1})", "exec"), namespace)
     return out.getvalue()
@@ -32,9 +37,9 @@ def test_data_parallel_doc_runs_and_prints_its_layouts():
     printed = run_blocks(blocks, "docs/data-parallel.md").splitlines()
     assert printed == [
         "updates: 2",  # 8 micro-steps, k = 4
-        "mu sharding: P('data', None)",  # ZeRO-1: the moments stay sharded
-        "sum sharding: P('data', None)",  # FSDP: the sums sharded like the parameters
-        "w1 sum sharding: P(None, 'model', unreduced={'data'})",  # TP: partial over data
+        "mu type: float32[32@data,16]",  # ZeRO-1: the moments stay sharded
+        "sum type: float32[32@data,16]",  # FSDP: the sums sharded like the parameters
+        "w1 sum type: float32[8,4@model]{U:data}",  # TP: partial sums over "data"
         "nnx updates: 1",
         "shard_map updates: 1",
     ]

@@ -18,15 +18,17 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum._testing import (
+from testkit import (
     Layout,
     big_batch,
-    collectives,
+    big_batch_run,
     max_abs_diff,
     skewed_windows,
+    standard,
     tiny_lm_loss,
     tiny_lm_params,
 )
+from testkit.hlo import collectives
 
 K = 2
 WINDOWS = 3
@@ -40,18 +42,12 @@ SCALAR_BYTES = 8  # an f32/s32 scalar, or a pair of them
 
 
 def adamw():
-    return optax.adamw(1e-2, b1=0.9, b2=0.95, weight_decay=0.1)
+    return standard(optax.adamw(1e-2, b1=0.9, b2=0.95, weight_decay=0.1))
 
 
 def big_batch_params(loss_fn, params, batches):
     """The reference: one AdamW step per window on the token mean, no mesh."""
-    inner = adamw()
-    state = inner.init(params)
-    for batch in batches:
-        grads = jax.grad(lambda p: (lambda s, n: s / n)(*loss_fn(p, batch)))(params)
-        updates, state = inner.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-    return params
+    return big_batch_run(params, batches, loss_fn, adamw)
 
 
 def gradient_reductions(hlo: str, param_bytes: int) -> dict[str, int]:
@@ -90,11 +86,13 @@ def lm_run():
 
         for w in range(WINDOWS):
             for m in range(K):
-                batch = jax.tree.map(lambda x: x[w, :, m].reshape(-1, x.shape[-1]), windows)
+                batch = jax.tree.map(
+                    lambda x, w=w, m=m: x[w, :, m].reshape(-1, x.shape[-1]), windows
+                )
                 batch = jax.device_put(batch, P("data"))
                 params, opt_state = micro_step(params, opt_state, batch)
         hlo = micro_step.lower(params, opt_state, batch).compile().as_text()
-    batches = [jax.tree.map(lambda x: x[w], big_batch(windows)) for w in range(WINDOWS)]
+    batches = [jax.tree.map(lambda x, w=w: x[w], big_batch(windows)) for w in range(WINDOWS)]
     reference = big_batch_params(tiny_lm_loss, tiny_lm_params(), batches)
     return dict(params=params, state=opt_state, hlo=hlo, init_types=init_types,
                 reference=reference, windows=windows)  # fmt: skip
@@ -222,6 +220,7 @@ def run_sharded(mesh, param_specs, loss_fn, *, reshard_inner=None):
     return jax.device_get(params), reference, hlo, sum_specs
 
 
+@pytest.mark.slow
 def test_zero1_optimizer_state_sharded_over_data_keeps_one_reduction():
     mesh = jax.make_mesh((DEVICES,), ("data",))
     shard_rows = lambda x: jax.device_put(x, P("data") if x.ndim else P())  # AdamW's moments
@@ -236,6 +235,7 @@ def test_zero1_optimizer_state_sharded_over_data_keeps_one_reduction():
     assert gathers and all(c["where"] == "loop" for c in gathers)
 
 
+@pytest.mark.slow
 def test_fsdp_parameters_sharded_over_data_are_exact_with_sums_sharded_alike():
     mesh = jax.make_mesh((DEVICES,), ("data",))
     # jaxaccum.value_and_grad gathers the weights for the step (an all-gather) and
@@ -251,6 +251,7 @@ def test_fsdp_parameters_sharded_over_data_are_exact_with_sums_sharded_alike():
     assert reductions["entry"] >= 1 and reductions["loop"] == 0, reductions
 
 
+@pytest.mark.slow
 def test_tensor_parallel_on_a_2d_mesh_reduces_over_data_once_per_window():
     mesh = jax.make_mesh((2, 2), ("data", "model"))
     # Megatron-style: w1 split by columns, w2 by rows over "model"
@@ -272,6 +273,7 @@ def test_tensor_parallel_on_a_2d_mesh_reduces_over_data_once_per_window():
 # -- The in-step scan under plain jit.
 
 
+@pytest.mark.slow
 def test_accumulate_gradients_under_plain_jit_reduces_once_after_the_scan():
     mesh = jax.make_mesh((DEVICES,), ("data",))
     windows = skewed_windows(Layout(DEVICES, K, 2), 1, seed=5)
@@ -292,6 +294,7 @@ def test_accumulate_gradients_under_plain_jit_reduces_once_after_the_scan():
 # -- partition_specs for shard_map users with a sharded model.
 
 
+@pytest.mark.slow
 def test_partition_specs_compose_with_the_parameters_specs():
     mesh = jax.make_mesh((2, 2), ("data", "model"))
     tx = jaxaccum.multi_steps(adamw(), K, axis_name="data")
@@ -313,6 +316,7 @@ def test_partition_specs_compose_with_the_parameters_specs():
 # -- Flax NNX under nnx.jit on the mesh.
 
 
+@pytest.mark.slow
 def test_nnx_optimizer_under_nnx_jit_reduces_once_per_window():
     from flax import nnx
 

@@ -3,9 +3,11 @@
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import jaxaccum
+from testkit import standard
 
 
 class Linear(nnx.Module):
@@ -21,6 +23,7 @@ def summed_loss(model, x, y, mask):
     return jnp.sum(jnp.where(mask, per_sample, 0.0)), jnp.sum(mask).astype(jnp.float32)
 
 
+@pytest.mark.slow
 def test_nnx_optimizer_with_multi_steps_equals_the_big_batch():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)
@@ -42,7 +45,7 @@ def test_nnx_optimizer_with_multi_steps_equals_the_big_batch():
         micro_step(model, optimizer, x[half], y[half], mask[half])
 
     reference = Linear(nnx.Rngs(0))
-    big = nnx.Optimizer(reference, optax.adam(0.1), wrt=nnx.Param)
+    big = nnx.Optimizer(reference, standard(optax.adam(0.1)), wrt=nnx.Param)
     mean_loss = lambda m: summed_loss(m, x, y, mask)[0] / 4.0
     big.update(reference, nnx.grad(mean_loss)(reference))
 

@@ -7,7 +7,6 @@ import optax
 import pytest
 
 import jaxaccum
-from jaxaccum import _grad
 
 
 def loss_fn(params, y, n):
@@ -124,10 +123,3 @@ def test_bad_loss_scaling_arguments():
         jaxaccum.multi_steps(optax.sgd(0.1), 1, loss_scaling=1024.0)
     with pytest.raises(ValueError, match="nonfinite"):
         jaxaccum.multi_steps(optax.sgd(0.1), 1, nonfinite="ignore")
-
-
-def test_value_and_grad_docstring_example():
-    import doctest
-
-    result = doctest.testmod(_grad)
-    assert result.attempted > 0 and result.failed == 0

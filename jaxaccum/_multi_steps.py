@@ -108,9 +108,9 @@ def multi_steps(
             good_windows=zero(jnp.int32),
             loss_known=jnp.ones((), jnp.bool_),
             applied=zero(jnp.bool_),
-            inner_state=inner.init(params),
+            inner_state=_standard_promotion(inner.init)(params),
             **_sharding.zero_sums(params, accumulator_dtype, axis_name, where),
-            last_window=first_record(accumulator_dtype, scale),
+            last_window=_sharding.replicated(first_record(accumulator_dtype, scale), where),
         )
 
     def update_fn(
@@ -135,7 +135,10 @@ def multi_steps(
         static = {k: v for k, v in extra_args.items() if k not in dynamic}
 
         def inner_update(window_grads, inner_state, params, dynamic):
-            return inner.update(window_grads, inner_state, params, **static, **dynamic)
+            # the inner optimizer is the user's code: it runs under JAX's standard
+            # promotion (optax's bias corrections mix a float and an int32 step)
+            with jax.numpy_dtype_promotion("standard"):
+                return inner.update(window_grads, inner_state, params, **static, **dynamic)
 
         # 1. Every call: add this micro-batch to the window sums. Nothing else.
         def as_sum(x, window_sum):
@@ -232,6 +235,14 @@ def multi_steps(
         return updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _standard_promotion(fn: Callable) -> Callable:
+    def wrapped(*args, **kwargs):
+        with jax.numpy_dtype_promotion("standard"):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 def _once_if(pred: jax.Array, body: Callable[..., tuple], *carry: Any) -> tuple:

@@ -20,8 +20,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxaccum import _multihost_worker as worker
-from jaxaccum._testing import tiny_lm_params
+from testkit import multihost_worker as worker
+from testkit import tiny_lm_params
+
+pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 TIMEOUT_S = 120
@@ -61,7 +63,7 @@ def launch(tmp_path, mode) -> list[dict]:
                     [
                         sys.executable,
                         "-m",
-                        "jaxaccum._multihost_worker",
+                        "testkit.multihost_worker",
                         str(i),
                         str(NUM_PROCESSES),
                         str(port),

@@ -90,7 +90,7 @@ def normalize_window(
     grad_sum, loss_sum, num_items = reduce_over_devices((grad_sum, loss_sum, num_items), axis_name)
     has_items = num_items > 0
     denominator = jnp.where(has_items, num_items, jnp.ones_like(num_items))
-    grad_denominator = denominator * loss_scale
+    grad_denominator = denominator * jnp.asarray(loss_scale).astype(denominator.dtype)
     grads = jax.tree.map(
         lambda g: jnp.where(has_items, g / grad_denominator.astype(g.dtype), 0).astype(g.dtype),
         grad_sum,

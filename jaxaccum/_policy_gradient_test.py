@@ -33,8 +33,8 @@ def test_hand_computed_values(loss_type, expected):
 
 def test_gradient_weights_and_masked_inf():
     # d loss_sum / d l_it is the weight of each token: 1/n_i for grpo, 1 for dapo.
-    grpo = jax.grad(lambda l: policy_gradient(l, MASK, loss_type="grpo")[0])(LOSS)
-    dapo = jax.grad(lambda l: policy_gradient(l, MASK, loss_type="dapo")[0])(LOSS)
+    grpo = jax.grad(lambda loss: policy_gradient(loss, MASK, loss_type="grpo")[0])(LOSS)
+    dapo = jax.grad(lambda loss: policy_gradient(loss, MASK, loss_type="dapo")[0])(LOSS)
     # exact: 1/2 and 1 are representable; the inf under the mask never reaches the result
     np.testing.assert_array_equal(grpo, [[0.5, 0.5, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     np.testing.assert_array_equal(dapo, MASK.astype(jnp.float32))
@@ -42,8 +42,8 @@ def test_gradient_weights_and_masked_inf():
 
 def _window(loss_type, micro_batches, L=3):
     sums = [
-        policy_gradient(l, m, loss_type=loss_type, max_completion_length=L)
-        for l, m in micro_batches
+        policy_gradient(loss, m, loss_type=loss_type, max_completion_length=L)
+        for loss, m in micro_batches
     ]
     return sum(float(s) for s, _ in sums) / sum(float(n) for _, n in sums)
 
@@ -73,8 +73,10 @@ def test_through_multi_steps(loss_type):
     tx = jaxaccum.multi_steps(optax.sgd(1.0), every_k_schedule=2)
     w = jnp.array(1.0)
     state = tx.init(w)
-    for l, m in mbs:
-        fn = lambda w: policy_gradient(w * l, m, loss_type=loss_type, max_completion_length=3)
+    for loss, m in mbs:
+        fn = lambda w, loss=loss, m=m: policy_gradient(
+            w * loss, m, loss_type=loss_type, max_completion_length=3
+        )
         (loss_sum, num_items), grad = jax.value_and_grad(fn, has_aux=True)(w)
         updates, state = tx.update(grad, state, w, num_items=num_items, loss_sum=loss_sum)
     expected = _window(loss_type, mbs)
@@ -87,7 +89,7 @@ def test_jit_and_batch_dims():
     # [groups, sequences, T]: the last axis is the completion, the others are rows
     loss = jnp.stack([LOSS, LOSS])
     mask = jnp.stack([MASK, MASK])
-    loss_sum, num_items = jax.jit(lambda l, m: policy_gradient(l, m, loss_type="grpo"))(loss, mask)
+    loss_sum, num_items = jax.jit(lambda x, m: policy_gradient(x, m, loss_type="grpo"))(loss, mask)
     assert (float(loss_sum), float(num_items)) == (8.0, 4.0)  # twice the 2-D case, exact
 
 

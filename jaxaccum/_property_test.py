@@ -37,7 +37,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum._testing import IGNORE_INDEX, tiny_lm_loss, tiny_lm_params
+from testkit import IGNORE_INDEX, tiny_lm_loss, tiny_lm_params
+
+pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 
 DEVICES = 4
 SAMPLES = 8  # per window
@@ -242,7 +244,13 @@ def test_any_split_gives_the_big_batch_update(mode, record_property):
                 )
                 deviation = max(
                     deviation,
-                    float(np.max(np.abs(np.asarray(params[name], np.float64) - reference[name]))),
+                    float(
+                        np.max(
+                            np.abs(
+                                np.asarray(params[name], np.float64) - np.asarray(reference[name])
+                            )
+                        )
+                    ),
                 )
         ran.append((ks, reasons, deviation))
 

@@ -118,6 +118,18 @@ def zero_sums(params: Any, dtype: Any, axis_name: AxisName | None, where: Layout
     )
 
 
+def replicated(tree: Any, where: Layout) -> Any:
+    """Under jit on an Explicit mesh, ``tree``'s leaves declared replicated (``P()``).
+
+    jax 0.12.0.1 merges a jitted ``init``'s identical zeros, and the replicated
+    record then comes out labelled with the unreduced sums' sharding; an
+    explicit replicated sharding keeps them apart.
+    """
+    if where is not Layout.UNREDUCED:
+        return tree
+    return jax.tree.map(lambda x: jax.reshard(x, P(*(None,) * jnp.ndim(x))), tree)
+
+
 def to_stored(x: jax.Array, where: Layout) -> jax.Array:
     return x[None] if where is Layout.PER_DEVICE else x
 
@@ -247,8 +259,8 @@ def check_grads(grads: Any, grad_sum: Any, axis_name: AxisName, where: Layout) -
         for (path, g), s in zip(leaves, jax.tree.leaves(grad_sum), strict=True):
             if spec_of(g) != spec_of(s):
                 raise ValueError(
-                    f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path)} has sharding"
-                    f" {spec_of(g)}; its window sum has {spec_of(s)}. Under jax.jit on an"
+                    f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path)} has type"
+                    f" {jax.typeof(g)}; its window sum has {jax.typeof(s)}. Under jax.jit on an"
                     " Explicit mesh, take the gradients with"
                     f" jaxaccum.value_and_grad(loss_fn, axis_name={axis_name!r}): it keeps each"
                     " device's gradient a partial sum (unreduced, no all-reduce per micro-step);"

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import enum
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-
-class SkipReason(enum.IntEnum):
-    """Why a window was or was not applied (``WindowMetrics.skip_reason``)."""
-
-    APPLIED = 0
-    """The window was applied: one inner-optimizer update."""
-    EMPTY = 1
-    """The window's global ``num_items`` was 0: no item, no update."""
-    NONFINITE = 2
-    """The window gradient, its loss or its ``num_items`` was NaN or inf."""
+from bigbatch import SkipReason
 
 
 class WindowMetrics(NamedTuple):

@@ -1,7 +1,9 @@
 """``python -m parity_tests --device cpu|cuda [--quick] --out DIR``: the parity report.
 
-Runs the suite (see ``parity_tests.suite``), prints the table, writes
-``DIR/parity.md``, ``DIR/parity.json`` and ``DIR/parity_loss.png``.
+Runs the suite (see ``parity_tests.suite``), prints the verdict first, then a
+legend and the table (100 columns), and writes ``DIR/parity.md``,
+``DIR/parity.json`` and ``DIR/parity_loss.png`` (each check's worst deviation
+against the tolerance band).
 
 Exit status: 0 when every parity check is within tolerance and every negative
 control is flagged; 1 otherwise (a bug variant NOT flagged is a failure too);
@@ -86,19 +88,20 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
 
-    from parity_tests import report, suite
+    from parity_tests import report, report_files, suite
 
     result = suite.run_suite(args.device, args.quick, progress=not args.no_progress)
-    paths = report.write(result, args.out)
+    paths = report_files.write(result, args.out)
+    print(report.verdict(result))
+    print("\n".join(report.legend(result)))
+    print()
     print(report.table(result))
     print()
-    for line in report.scaling_lines(result):
+    for line in report.comm_lines(result) + report.scaling_lines(result, short=True):
         print(line)
     for name, err in result.errors.items():
         print(f"FAILED RUN {name}:\n{err}", file=sys.stderr)
-    print(("PASS: " if result.passed else "FAIL: ") + report.summary(result))
-    for kind, path in paths.items():
-        print(f"{kind}: {path}")
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0 if result.passed else 1
 
 

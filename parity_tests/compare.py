@@ -140,7 +140,7 @@ def relative(a: Run, b: Run, key: str) -> list[float]:
     _check_lengths(a, b)
     return [
         _gap(float(ra.get(key, math.nan)), float(rb.get(key, math.nan)), relative=True)
-        for ra, rb in zip(a.records, b.records)
+        for ra, rb in zip(a.records, b.records, strict=False)
     ]
 
 
@@ -149,7 +149,7 @@ def absolute(a: Run, b: Run, key: str) -> list[float]:
     _check_lengths(a, b)
     return [
         _gap(float(ra.get(key, math.nan)), float(rb.get(key, math.nan)), relative=False)
-        for ra, rb in zip(a.records, b.records)
+        for ra, rb in zip(a.records, b.records, strict=False)
     ]
 
 

@@ -10,7 +10,8 @@ from parity_tests.compare import TOLERANCES, Run
 
 def _run(label, params, losses, counts=(10.0, 10.0), norms=(1.0, 1.0)):
     records = [
-        {"loss": l, "window_items": c, "grad_norm": g} for l, c, g in zip(losses, counts, norms)
+        {"loss": loss, "window_items": c, "grad_norm": g}
+        for loss, c, g in zip(losses, counts, norms, strict=True)
     ]
     return Run(label, records, [{"w": np.asarray(p, np.float64)} for p in params])
 

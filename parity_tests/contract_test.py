@@ -45,8 +45,10 @@ def gradscaler_scales(overflows, **config):
     [
         # growth after 2 good windows, back-off on an overflow, the tracker reset by both
         (dict(init_scale=8.0, growth_interval=2), [0, 0, 0, 1, 0, 0, 0, 1, 1, 0, 0]),
-        (dict(init_scale=2.0**10, growth_factor=4.0, backoff_factor=0.25, growth_interval=1),
-         [0, 1, 0, 0, 1, 1, 0]),  # fmt: skip
+        (
+            dict(init_scale=2.0**10, growth_factor=4.0, backoff_factor=0.25, growth_interval=1),
+            [0, 1, 0, 0, 1, 1, 0],
+        ),  # fmt: skip
         # a growth that would overflow float32 keeps the scale (and resets the tracker)
         (dict(init_scale=2.0**127, growth_interval=1), [0, 0, 1, 0]),
     ],

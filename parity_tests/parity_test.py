@@ -6,6 +6,10 @@ R2k2 token with fp16 dynamic loss scaling and an injected overflow),
 then one test per promise. Tolerances and their reasons live in
 ``parity_tests.compare.TOLERANCES`` (fp32: parameters 1e-4 of the movement,
 fp64: 1e-9, the issue's acceptance numbers).
+
+The suite runs under the session's strict promotion (``conftest.py``): its own
+code and jaxaccum are checked; optax's calls are wrapped at the call
+(``parity_tests.jax_optim.third_party``).
 """
 
 import json
@@ -14,8 +18,10 @@ import math
 import pytest
 
 import torch_ref
-from parity_tests import report, suite
+from parity_tests import report, report_files, suite
 from parity_tests.compare import FLAG_RATIO, TOLERANCES
+
+pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 
 
 @pytest.fixture(scope="module")
@@ -105,15 +111,13 @@ def test_fp16_loss_scaling_parity(result):
         assert all((run.params[4][n] == run.params[3][n]).all() for n in run.params[3])
     row = check.row()
     assert row["sequences_equal"] is True and row["sequences"]["loss_scale"]["subject"][1] == 2048.0
-    assert any("sequences equal" in r[1] for r in report.rows(result))
+    assert any("sequences equal" in r[1] for r in report_files.rows(result))
 
 
 def test_negative_controls_are_flagged(result):
     controls = [c for c in result.checks if c.kind == "control"]
     expected = {"optax.MultiSteps"} | {
-        f"torch_ref:{b}"
-        for b in torch_ref.buggy.BUG_NAMES
-        if b != torch_ref.buggy.NO_SYNC_BACKWARD_ONLY
+        f"torch_ref:{b}" for b, v in torch_ref.buggy.VARIANTS.items() if not v.communication_only
     }
     assert {c.subject for c in controls} == expected
     weak = [
@@ -135,8 +139,24 @@ def test_no_sync_around_backward_only_costs_an_allreduce_per_micro_batch(result)
     assert check.passed
 
 
+def test_the_jax_runs_take_the_data_parallel_path(result):
+    # plain jit on an Explicit mesh of R of the 8 fake devices; loss scaling as vmap lanes
+    # (jaxaccum.value_and_grad's loss_scale under Explicit jit: see run_jax._jaxaccum_step)
+    strategies = {
+        k.split("|")[1]: r.extra["strategy"]
+        for k, r in result.runs.items()
+        if k.startswith("jaxaccum|")
+    }
+    assert strategies == {
+        suite.control_scenario().name: "jit",
+        suite.scenario(4, 1, "sample").name: "jit",
+        suite.scenario(2, 2, "token", "float64").name: "jit",
+        suite.scaling_scenario().name: "vmap",
+    }
+
+
 def test_report_files(result, tmp_path):
-    paths = report.write(result, tmp_path)
+    paths = report_files.write(result, tmp_path)
     data = json.loads(paths["json"].read_text())
     assert len(data["checks"]) == len(result.checks) and data["passed"] == result.passed
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -147,9 +167,26 @@ def test_report_files(result, tmp_path):
         in md
     )
     assert any(c["sequences_equal"] for c in data["checks"])
-    table = report.table(result)
-    assert len(table.splitlines()) == len(result.checks) + 2
     assert all(math.isfinite(c.row()["param_dev"]) for c in result.checks)
+
+
+def test_printed_report_reads_in_100_columns(result):
+    parity = [c for c in result.checks if c.kind == "parity"]
+    bugs = [c for c in result.checks if c.kind != "parity"]
+    # the verdict first: every count exact
+    assert report.verdict(result).startswith(
+        f"PASS: {len(parity)}/{len(parity)} checks within tolerance, "
+        f"{len(bugs)}/{len(bugs)} known bugs flagged ("
+    )
+    assert (len(parity), len(bugs)) == (12, 9)
+    table = report.table(result).splitlines()
+    lines = [report.verdict(result), *report.legend(result), *table]
+    lines += report.comm_lines(result) + report.scaling_lines(result, short=True)
+    assert max(len(line) for line in lines) <= report.WIDTH  # 100 columns
+    # one line per check, one per scenario, one "known bugs" line, the header and its rule
+    assert len(table) == len(result.checks) + len({c.scenario for c in result.checks}) + 1 + 2
+    assert any(line.startswith("R2k2-token-f32-fp16scale") for line in table)
+    assert "R<ranks>k<micro-batches per rank>" in " ".join(report.legend(result))
 
 
 def test_cli_fails_clearly_without_gpu(tmp_path, monkeypatch, capsys):

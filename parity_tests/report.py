@@ -1,286 +1,150 @@
-"""The parity report: a printed table, ``parity.md``, ``parity.json`` and a loss plot."""
+"""The parity report as printed: the verdict first, a legend, a table, in 100 columns.
+
+``python -m parity_tests`` prints :func:`verdict`, :func:`legend`, :func:`table`
+and :func:`scaling_lines` (``short=True``); the files (``parity.md`` with every
+measure of every check, ``parity.json``, the plot) are ``parity_tests.report_files``'.
+"""
 
 from __future__ import annotations
 
-import json
 import math
-import pathlib
+import textwrap
 
 from parity_tests.compare import FLAG_RATIO, TOLERANCES, Check
-from parity_tests.suite import SuiteResult, _key
+from parity_tests.scenarios import DTYPE_IDS
+from parity_tests.suite import DEFAULT_OPT, SHORT_WINDOW, SuiteResult
 
-HEADER = (
-    "scenario",
-    "comparison",
-    "param dev",
-    "(elementwise)",
-    "loss dev",
-    "grad-norm dev",
-    "count dev",
-    "tol param/loss/gnorm",
-    "worst ratio",
-    "result",
-)
+WIDTH = 100  # the terminal output's columns
 
 
-def _fmt(x) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    if isinstance(x, float) and math.isinf(x):
-        return "inf"
-    return f"{x:.2e}" if isinstance(x, float) else str(x)
+def verdict(result: SuiteResult) -> str:
+    """The one-line verdict: ``PASS: 12/12 checks within tolerance, 9/9 known bugs flagged (..)``."""
+    parity = [c for c in result.checks if c.kind == "parity"]
+    bugs = [c for c in result.checks if c.kind != "parity"]
+    line = (
+        f"{'PASS' if result.passed else 'FAIL'}: {sum(c.passed for c in parity)}/{len(parity)}"
+        f" checks within tolerance, {sum(c.passed for c in bugs)}/{len(bugs)} known bugs flagged"
+    )
+    if result.errors:
+        line += f", {len(result.errors)} runs FAILED"
+    return line + f" ({result.seconds:.0f} s)"
 
 
-def _result(c: Check) -> str:
-    if c.kind == "parity":
-        return "pass" if c.passed else "FAIL"
-    return "flagged" if c.passed else "NOT FLAGGED (FAIL)"
+def short_name(result: SuiteResult, name: str) -> str:
+    """A scenario's id in the table (``R2k2-token-f32``; the legend says the rest)."""
+    scn = result.scenarios.get(name)
+    return scn.short_name if scn is not None else name
 
 
-def rows(result: SuiteResult) -> list[tuple[str, ...]]:
-    """The table rows, one per check (errors are listed separately)."""
+def _e(x: float) -> str:
+    return f"{x:.0e}".replace("e-0", "e-")
+
+
+def legend(result: SuiteResult) -> list[str]:
+    """What the scenario ids and the columns of :func:`table` mean, in :data:`WIDTH` columns."""
+    n = max((len(r.records) for r in result.runs.values()), default=0)
+    dtypes = sorted({s.dtype for s in result.scenarios.values()})
+    tols = ", ".join(
+        f"{DTYPE_IDS[d]} {_e(TOLERANCES[d].param)}/{_e(TOLERANCES[d].loss)}"
+        f"/{_e(TOLERANCES[d].grad_norm)}"
+        for d in dtypes
+    )
+    ids = (
+        "Scenario ids: R<ranks>k<micro-batches per rank>-<loss unit>-<dtype>; -fp16scale: dynamic"
+        " loss scaling, an overflow injected; R1k1 = the big batch. All: the same skewed corpus"
+        f" samples, {n} AdamW updates, update {SHORT_WINDOW + 1} a short tail window (half the"
+        f" samples, 1 micro-batch per rank), warmup-cosine LR, clipping at"
+        f" {DEFAULT_OPT.max_grad_norm:g}."
+    )
+    columns = (
+        f"Columns: the worst of the {n} updates of param = ||p - p_ref|| / ||p_ref - p0|| and of"
+        " the relative loss and gnorm; ratio = worst deviation / tolerance: a check passes at"
+        f" <= 1, a known bug is flagged at >= {FLAG_RATIO:g}. Tolerances param/loss/gnorm: {tols}"
+        " (the bugs: f32's)."
+    )
+    return textwrap.wrap(ids, WIDTH) + textwrap.wrap(columns, WIDTH)
+
+
+def _terminal_result(c: Check) -> str:
+    if c.kind == "comm-control":  # explained by comm_lines
+        return "flagged (comm)" if c.passed else "MISSED (comm)"
+    if c.kind == "control":
+        return "flagged" if c.passed else "MISSED"
+    if c.passed:
+        return "pass"
+    if c.sequences_equal is False:
+        return "FAIL: sequences"
+    return "FAIL: counts" if all(v <= 1.0 for v in c.ratios.values()) else "FAIL"
+
+
+def _table_row(c: Check) -> tuple[str, ...]:
+    r = c.row()
+    label = f"  {c.subject} vs {c.reference}" if c.kind == "parity" else f"    {c.subject}"
+    ratio = "-" if c.kind == "comm-control" else f"{max(c.ratios.values()):.2g}"
+    devs = (r["param_dev"], r["loss_dev"], r["grad_norm_dev"])
+    return (label, *(_fmt1(v) for v in devs), ratio, _terminal_result(c))
+
+
+def table(result: SuiteResult) -> str:
+    """The checks grouped by scenario: parity first, then the known bugs (100 columns)."""
+    widths = (38, 7, 7, 7, 7, 0)
+    lines = [("comparison", "param", "loss", "gnorm", "ratio", "result")]
+    for name in dict.fromkeys(c.scenario for c in result.checks):
+        mine = [c for c in result.checks if c.scenario == name]
+        bugs = [c for c in mine if c.kind != "parity"]
+        lines.append((short_name(result, name),))
+        lines += [_table_row(c) for c in mine if c.kind == "parity"]
+        if bugs:
+            lines.append(("  known bugs, each vs its framework's big batch:",))
+            lines += [_table_row(c) for c in bugs]
     out = []
-    for c in result.checks:
-        r = c.row()
-        ratio = max(c.ratios.values())
-        comparison = f"{c.subject} vs {c.reference}"
-        if c.kind == "comm-control":
-            comparison += (
-                f" [grad all-reduces/window {c.comm[0]:g} vs {c.comm[1]:g}]"
-                if c.comm
-                else " [no counts]"
-            )
-        if c.sequences is not None:
-            comparison += " [skipped/loss_scale/update_id sequences " + (
-                "equal]" if c.sequences_equal else "DIFFER]"
-            )
-        out.append(
-            (
-                c.scenario,
-                comparison,
-                _fmt(r["param_dev"]),
-                _fmt(r["param_dev_elementwise"]),
-                _fmt(r["loss_dev"]),
-                _fmt(r["grad_norm_dev"]),
-                _fmt(r["count_dev"]),
-                f"{c.tol.param:g}/{c.tol.loss:g}/{c.tol.grad_norm:g}",
-                f"{ratio:.3g}" if c.kind != "comm-control" else "-",
-                _result(c),
-            )
-        )
-    return out
+    for line in lines:
+        cells = zip(line, widths, strict=False) if len(line) > 1 else [(line[0], 0)]
+        out.append("  ".join(v.ljust(w) for v, w in cells).rstrip())
+    out.insert(1, "-" * WIDTH)
+    return "\n".join(out)
 
 
-def table(result: SuiteResult, markdown: bool = False) -> str:
-    data = [HEADER] + rows(result)
-    if markdown:
-        lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-        lines += ["| " + " | ".join(r) + " |" for r in data[1:]]
-        return "\n".join(lines)
-    widths = [max(len(r[i]) for r in data) for i in range(len(HEADER))]
-    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in data]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+def _fmt1(x: float) -> str:
+    if math.isnan(x):
+        return "-"
+    return "inf" if math.isinf(x) else f"{x:.1e}"
+
+
+def comm_lines(result: SuiteResult) -> list[str]:
+    """The known bug that changes no number, and the count that flags it."""
+    return [
+        f"{c.subject}: same numbers by design; {c.comm[0]:g} grad all-reduces per window,"
+        f" not {c.comm[1]:g}"
+        for c in result.checks
+        if c.kind == "comm-control" and c.comm
+    ]
 
 
 def summary(result: SuiteResult) -> str:
-    parity = [c for c in result.checks if c.kind == "parity"]
-    controls = [c for c in result.checks if c.kind != "parity"]
-    return (
-        f"{sum(c.passed for c in parity)}/{len(parity)} parity checks within tolerance, "
-        f"{sum(c.passed for c in controls)}/{len(controls)} negative controls flagged, "
-        f"{len(result.errors)} runs failed; {result.seconds:.0f} s"
-    )
+    """The verdict without its PASS/FAIL word (``parity.md``'s first line)."""
+    return verdict(result).split(": ", 1)[1]
 
 
 def _seq(values) -> str:
     return " ".join(("T" if v else "F") if isinstance(v, bool) else f"{v:g}" for v in values)
 
 
-def scaling_lines(result: SuiteResult) -> list[str]:
-    """One line per loss-scaling check and sequence: both runs' per-update values."""
+def scaling_lines(result: SuiteResult, short: bool = False) -> list[str]:
+    """One line per loss-scaling check and sequence: both runs' per-update values
+    (``short``: the terminal's form, within :data:`WIDTH`)."""
     out = []
     for c in result.checks:
         for key, (a, b) in (c.sequences or {}).items():
-            out.append(
-                f"{c.scenario}: {key}: {c.subject} [{_seq(a)}], {c.reference} [{_seq(b)}]"
-                f" -> {'equal' if a == b else 'DIFFER'}"
-            )
+            if short:
+                name = short_name(result, c.scenario)
+                same = f"{c.subject} = {c.reference} = [{_seq(a)}]"
+                out.append(
+                    f"{name} {key}: " + (same if a == b else f"[{_seq(a)}] DIFFER [{_seq(b)}]")
+                )
+            else:
+                out.append(
+                    f"{c.scenario}: {key}: {c.subject} [{_seq(a)}], {c.reference} [{_seq(b)}]"
+                    f" -> {'equal' if a == b else 'DIFFER'}"
+                )
     return out
-
-
-def _json_safe(x):
-    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    return x
-
-
-def write(result: SuiteResult, out: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Writes ``parity.md``, ``parity.json`` and ``parity_loss.png`` into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out / "parity.md", "json": out / "parity.json", "plot": out / "parity_loss.png"}
-    paths["json"].write_text(
-        json.dumps(
-            _json_safe(
-                {
-                    "device": result.device,
-                    "quick": result.quick,
-                    "passed": result.passed,
-                    "seconds": result.seconds,
-                    "flag_ratio": FLAG_RATIO,
-                    "tolerances": {
-                        d: {
-                            "param": t.param,
-                            "loss": t.loss,
-                            "grad_norm": t.grad_norm,
-                            "reason": t.reason,
-                        }
-                        for d, t in TOLERANCES.items()
-                    },
-                    "checks": [c.row() for c in result.checks],
-                    "errors": result.errors,
-                    "runs": {
-                        k: {
-                            "label": r.label,
-                            "seconds": r.seconds,
-                            "records": r.records,
-                            "extra": {e: v for e, v in r.extra.items()},
-                        }
-                        for k, r in result.runs.items()
-                    },
-                }
-            ),
-            indent=1,
-        )
-    )
-    try:
-        plot(result, paths["plot"])
-    except Exception as e:  # noqa: BLE001 - the plot is optional; the numbers are in the JSON
-        paths.pop("plot").with_suffix(".txt").write_text(f"plot failed: {e!r}\n")
-    paths["md"].write_text(markdown(result, paths.get("plot")))
-    return paths
-
-
-def markdown(result: SuiteResult, plot_path) -> str:
-    from parity_tests.compare import __doc__ as measures
-
-    tol_lines = "\n".join(
-        f"- **{d}**: param {t.param:g}, loss {t.loss:g}, grad norm {t.grad_norm:g}. {t.reason}"
-        for d, t in TOLERANCES.items()
-    )
-    err = "\n".join(f"### {k}\n```\n{v}\n```" for k, v in result.errors.items()) or "none"
-    times = "\n".join(f"- {k}: {r.seconds:.1f} s" for k, r in result.runs.items())
-    return f"""# Parity report: jaxaccum vs torch_ref ({result.device}{", quick" if result.quick else ""})
-
-**{"PASS" if result.passed else "FAIL"}**: {summary(result)}.
-
-Each row compares per-update records and parameters after each of the 5 AdamW
-updates; the worst update is shown. Parity rows pass when every measure is
-within its tolerance and window counts match exactly; negative controls (known
-bugs) pass when their worst deviation/tolerance ratio is at least {FLAG_RATIO:g}
-(``no_sync_backward_only`` changes no number by design: it is flagged by its
-gradient all-reduces per window, k instead of 1).
-
-## Measures
-{measures}
-## Tolerances
-{tol_lines}
-
-Negative controls are judged against the float32 tolerance.
-
-## Results
-{table(result, markdown=True)}
-
-## Loss scaling (fp16 dynamic loss scale, fp32 compute, an injected overflow)
-Per update, compared exactly (``skipped``: the window was dropped; ``loss_scale``: the
-scale for the next window; ``update_id``: updates applied so far):
-
-{chr(10).join("- " + line for line in scaling_lines(result)) or "none run"}
-
-{f"![per-update loss]({plot_path.name})" if plot_path else ""}
-
-## Failed runs
-{err}
-
-## Run times (compilation included)
-{times}
-"""
-
-
-def plot(result: SuiteResult, path: pathlib.Path) -> None:
-    """Two panels for the control scenario: per-update logged loss of every run, and
-    the parameter deviation of every comparison (log scale) against the tolerance."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ctl, big = result.control, result.control_big
-    keys = [_key("jax big", big), _key("torch big", big)]
-    keys += [k for k in result.runs if k.split("|")[1] == ctl]
-    fixed = {
-        "jax big batch": ("black", "-", 4.0),
-        "torch big batch": ("0.55", "--", 2.5),
-        "jaxaccum": ("tab:blue", ":", 2.5),
-        "torch_ref": ("tab:orange", "-.", 2.0),
-    }
-    palette = iter(plt.cm.tab20(range(20))[4:])
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(15, 6.5))
-    for key in keys:
-        run = result.runs.get(key)
-        if run is None:
-            continue
-        losses = [r["loss"] for r in run.records]
-        color, ls, lw = fixed.get(run.label) or (next(palette), "-", 1.2)
-        ax.plot(
-            range(1, len(losses) + 1),
-            losses,
-            ls,
-            color=color,
-            lw=lw,
-            marker="o",
-            ms=3,
-            label=run.label,
-        )
-    ax.set_xlabel("update")
-    ax.set_ylabel("logged window loss (buggy variants: what their code logs)")
-    ax.set_title(f"{ctl}: per-update loss", fontsize=10)
-    palette = iter(plt.cm.tab20(range(20)))
-    for c in result.checks:
-        if c.scenario not in (ctl, big.name):
-            continue
-        dev = [min(max(v, 1e-12), 1e3) for v in c.param_dev]
-        ax2.semilogy(
-            range(1, len(dev) + 1),
-            dev,
-            marker="o",
-            ms=3,
-            color=next(palette, None),
-            lw=2.0 if c.kind == "parity" else 1.0,
-            ls={"parity": "-", "control": "--"}.get(c.kind, ":"),
-            label=f"{c.subject} vs {c.reference}",
-        )
-    tol = TOLERANCES["float32"].param
-    ax2.axhline(tol, color="r", lw=1.5, label="fp32 tolerance")
-    ax2.axhline(
-        tol * FLAG_RATIO, color="r", lw=1, ls=":", label=f"{FLAG_RATIO:g} x tolerance (flag)"
-    )
-    ax2.set_xlabel("update")
-    ax2.set_ylabel("||p - p_ref||_2 / ||p_ref - p_0||_2")
-    ax2.set_title(
-        "parameter deviation: solid = must agree, dashed = must be flagged,\n"
-        "dotted = same numbers by design (flagged by communication)",
-        fontsize=10,
-    )
-    for a in (ax, ax2):
-        a.set_xticks(
-            range(1, len(result.runs[keys[0]].records) + 1) if keys[0] in result.runs else []
-        )
-        a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -1,10 +1,14 @@
-"""Runs a scenario through ``torch_ref``: the reference, its big batch and its bugs.
+"""Runs the parity suite's scenarios through ``torch_ref``: a one-way adapter.
 
-The scenario's numpy data go to ``torch_ref.run_scenarios`` as
-``windows[u][r][m]`` dicts, laid out exactly as the JAX side lays them out
-(:func:`parity_tests.scenarios.layout`, padding rows included); world size 1
-runs in this process, each world size R > 1 in R real DDP (gloo/nccl)
-processes that run all of that world size's runs in one spawn.
+Two scenario descriptions exist on purpose, at two levels. A
+:class:`parity_tests.scenarios.Scenario` says how a run is *generated* (world
+size, k, data seed, the layout rules, the optimizer's settings); it is the
+suite's, and both frameworks' runners read it. A ``torch_ref.Scenario`` is the
+*materialized* run (the arrays of every micro-batch of every rank, the
+weights, the settings in torch's terms) that ``torch_ref`` runs without
+knowing the suite exists. :func:`torch_scenario` goes one way, from the first
+to the second, with the micro-batches laid out exactly as the JAX side lays
+them out (:func:`parity_tests.scenarios.layouts`, padding rows included).
 """
 
 from __future__ import annotations
@@ -31,21 +35,16 @@ def torch_scenario(
     """The ``torch_ref.Scenario`` of ``scn`` (or of its big batch), optionally with a bug."""
     import torch_ref
 
-    if big_batch:
-        scn = scn.big_batch()
-    windows = []
-    for tok, lab in layouts(scn):
-        windows.append(
-            [
-                [
-                    {"input_ids": tok[r, m].astype(np.int64), "labels": lab[r, m].astype(np.int64)}
-                    for m in range(tok.shape[1])
-                ]
-                for r in range(scn.world)
-            ]
-        )
-    o = scn.opt
-    ls = scn.loss_scaling  # None for a big batch (Scenario.big_batch drops it)
+    scn = scn.big_batch() if big_batch else scn
+    o, ls = scn.opt, scn.loss_scaling  # no loss scaling in a big batch (Scenario.big_batch)
+    windows = [  # [R, k_u, mb, T] arrays -> windows[u][r][m] dicts
+        [
+            [{"input_ids": t, "labels": a} for t, a in zip(*rank, strict=True)]
+            for rank in zip(tok, lab, strict=True)
+        ]
+        for tok, lab in layouts(scn)
+    ]
+    schedule = torch_ref.WarmupCosine(o.warmup, o.decay_steps, o.init_lr, o.end_lr)
     scaling = (
         {}
         if ls is None
@@ -56,22 +55,12 @@ def torch_scenario(
             inf_microbatches=frozenset(ls.inf_microbatches),
         )
     )
-    schedule = None
-    if o.schedule == "warmup_cosine":
-        schedule = torch_ref.WarmupCosine(
-            warmup_steps=o.warmup,
-            decay_steps=o.decay_steps,
-            init_value=o.init_lr,
-            end_value=o.end_lr,
-        )
     return torch_ref.Scenario(
         config=torch_ref.TinyGPTConfig(),
-        weights={n: np.asarray(v) for n, v in weights.items()},
+        weights=weights,
         windows=windows,
-        optimizer=torch_ref.AdamW(
-            lr=o.lr, betas=(o.b1, o.b2), eps=o.eps, weight_decay=o.weight_decay
-        ),
-        schedule=schedule,
+        optimizer=torch_ref.AdamW(o.lr, (o.b1, o.b2), o.eps, o.weight_decay),
+        schedule=schedule if o.schedule == "warmup_cosine" else None,
         max_grad_norm=o.max_grad_norm,
         unit=scn.unit,
         precision=PRECISION[scn.dtype],
@@ -105,7 +94,7 @@ def run_torch_jobs(
     device: str = "cpu",
     timeout_s: float = 600.0,
 ) -> list[Run]:
-    """Runs every job through ``torch_ref.run_scenarios`` (one spawn per world size).
+    """Runs every job through ``torch_ref.run_scenarios`` (one launch per world size).
 
     Returns one :class:`Run` per job, params as float64 torch-layout dicts with
     the initial weights first. ``seconds`` is the batch's wall time split evenly.
@@ -130,7 +119,7 @@ def run_torch_jobs(
     per_job = (time.perf_counter() - t0) / max(1, len(jobs))
     init = {n: np.asarray(v, np.float64) for n, v in weights.items()}
     runs = []
-    for job, res in zip(jobs, results):
+    for job, res in zip(jobs, results, strict=True):
         params = [init] + [{n: np.asarray(v, np.float64) for n, v in p.items()} for p in res.params]
         runs.append(
             Run(job.label, [dict(r) for r in res.records], params, per_job, {"comm": res.comm})

@@ -42,15 +42,17 @@ import traceback
 
 import numpy as np
 
-from parity_tests import compare, flax_gpt
+from parity_tests import compare
 from parity_tests.compare import TOLERANCES, Check, Run
 from parity_tests.scenarios import LossScaling, Optimizer, Scenario
+from tinygpt import TinyGPTConfig
+from tinygpt.weights import init_state_dict
 
 # Warmup-cosine over the 5 updates and clipping that is active in the first
 # windows (the default data's window gradient norms are ~3.3, 3.3, 3.3, 2.1,
 # 2.0): the schedule, clipping and short-window paths all matter.
 DEFAULT_OPT = Optimizer(schedule="warmup_cosine", max_grad_norm=2.5)
-WEIGHT_SEED = 0  # every scenario starts from flax_gpt.init_state_dict(WEIGHT_SEED)
+WEIGHT_SEED = 0  # every scenario starts from tinygpt.weights.init_state_dict(..., WEIGHT_SEED)
 SHORT_WINDOW = 2  # window 2 has half the samples and 1 micro-batch per rank (an epoch end)
 
 
@@ -111,8 +113,7 @@ class SuiteResult:
     runs: dict[str, Run]  # by run key (see ``_key``)
     errors: dict[str, str]  # run key -> traceback of a run that failed
     seconds: float
-    control: str  # name of the (fp32) control scenario, for the plot
-    control_big: Scenario  # its big batch
+    scenarios: dict[str, Scenario]  # every scenario run (and its big batch), by name
 
     @property
     def passed(self) -> bool:
@@ -178,7 +179,7 @@ def run_suite(
     default_scns, default_controls = scenarios(device, quick)
     scns = default_scns if scns is None else scns
     controls = default_controls if controls is None else controls
-    weights = flax_gpt.init_state_dict(seed=WEIGHT_SEED)
+    weights = init_state_dict(TinyGPTConfig(), seed=WEIGHT_SEED)
     runs: dict[str, Run] = {}
     errors: dict[str, str] = {}
     bigs = list(dict.fromkeys(s.big_batch() for s in scns + controls))
@@ -197,7 +198,7 @@ def run_suite(
     for ctl in controls:
         if ctl not in scns:
             add_job(_key("torch", ctl), run_torch.TorchJob(ctl, count_comm=True))
-        for bug in torch_ref.buggy.BUG_NAMES:
+        for bug in torch_ref.buggy.VARIANTS:
             add_job(_key("torch", ctl, bug), run_torch.TorchJob(ctl, bug=bug, count_comm=True))
 
     tasks = _Tasks()
@@ -205,7 +206,7 @@ def run_suite(
 
         def torch_group(group=group):
             done = run_torch.run_torch_jobs([j for _, j in group], weights, device=device)
-            return {key: run for (key, _), run in zip(group, done)}
+            return {key: run for (key, _), run in zip(group, done, strict=False)}
 
         tasks.add(f"torch_ref R={world} ({len(group)} runs)", torch_group)
     # The JAX big batch costs a compilation per (unit, dtype): the quick matrix runs it for the
@@ -226,10 +227,8 @@ def run_suite(
                 errors.setdefault(key, f"not run: its torch_ref group R={world} failed")
 
     checks = build_checks(scns, controls, runs)
-    ctl = controls[0] if controls else control_scenario()
-    return SuiteResult(
-        device, quick, checks, runs, errors, time.perf_counter() - t0, ctl.name, ctl.big_batch()
-    )
+    named = {s.name: s for s in scns + controls + bigs}
+    return SuiteResult(device, quick, checks, runs, errors, time.perf_counter() - t0, named)
 
 
 def _torch_run(runs, scn: Scenario) -> Run | None:
@@ -283,11 +282,11 @@ def build_checks(scns, controls, runs: dict[str, Run]) -> list[Check]:
         ms = runs.get(_key("optax.MultiSteps", ctl))
         if ms is not None and jbig is not None:
             checks.append(compare.compare(ctl.name, ms, jbig, tol, "control"))
-        for bug in torch_ref.buggy.BUG_NAMES:
+        for bug in torch_ref.buggy.VARIANTS:
             run = runs.get(_key("torch", ctl, bug))
             if run is None or tbig is None:
                 continue
-            if bug == torch_ref.buggy.NO_SYNC_BACKWARD_ONLY:
+            if torch_ref.buggy.VARIANTS[bug].communication_only:
                 comm = (_allreduces(run), _allreduces(tr)) if tr is not None else None
                 checks.append(compare.compare(ctl.name, run, tbig, tol, "comm-control", comm))
             else:

@@ -1,167 +1,203 @@
-"""The bugs of DESIGN.md, each one switch away from the correct `train_update`.
+"""The known accumulation bugs as data: each one a `Variant` of the reference loop.
 
-Every function here is ``train_update(..., bug=NAME)``: same arguments, same
-record. The switch changes one line of the reference (the per-micro-batch
-objective, the ``no_sync`` scope, where clipping or the scheduler step
-happens); everything else is the correct path. The same names work as
-``train_update(..., bug="...")``, ``train(..., bug="...")`` and
-``Scenario(..., bug="...")``.
+`torch_ref.train_update` is one loop with five decision points. A `Variant`
+names the choice made at each; `REFERENCE` makes the correct choice at all
+five (the algorithm of ``docs/math.md``), and every known bug flips one or two
+of them. With R ranks, k micro-batches per rank, n_m the items of micro-batch
+m, N_r those of rank r and N those of the window::
 
-With R ranks, k micro-batches per rank, n_m the loss units of micro-batch m,
-N_r those of rank r and N the global count, the micro-batch objective is:
+    decision                    field         reference             bug choices
+    1 micro-batch objective     objective     global_sum            global_sum_no_R, rank_mean,
+                                                                    microbatch_mean, mean_of_means
+    2 what no_sync() wraps      no_sync       forward_and_backward  backward_only, never
+    3 where clipping happens    clip          window                per_microbatch
+    4 when the scheduler steps  scheduler     per_update            per_microbatch
+    5 the window's divisor      tail_divisor  real_items            nominal_k
 
-    correct                loss_sum_m * R / N        (DDP averages over R)
-    mean_of_means          (loss_sum_m / n_m) / k
-    missing_1_over_k       loss_sum_m / n_m
-    local_denominator      loss_sum_m / N_r
-    ddp_average_forgotten  loss_sum_m / N
-    fixed_divisor_tail     loss_sum_m * R / (N * k_nominal / k_window)
+The objective is what each micro-batch backpropagates (DDP then AVERAGES the
+gradient over the R ranks); a micro-batch or rank with no item contributes 0
+where an objective divides by its items::
 
-(a micro-batch or rank with no loss unit contributes 0 where the bug divides
-by its count). ``record["loss"]`` under a bug is the value of the buggy
-objective, i.e. what that code would log.
+    global_sum        loss_sum_m * R / N      the reference: DDP's mean leaves sum / N
+    global_sum_no_R   loss_sum_m / N
+    rank_mean         loss_sum_m / N_r
+    microbatch_mean   loss_sum_m / n_m
+    mean_of_means     loss_sum_m / (n_m k)
+
+With ``tail_divisor="nominal_k"`` the divisors are those of a window of the
+nominal k micro-batches (N becomes N k_nominal / k, k becomes k_nominal), which
+only changes a short (tail) window. ``record["loss"]`` under a bug is the value
+of its objective (summed over micro-batches and ranks, over R): what that code
+would log.
+
+Example:
+    >>> VARIANTS["missing_1_over_k"].objective
+    'microbatch_mean'
+
+    A variant runs through the reference loop (``torch_ref/buggy_test.py`` runs them)::
+
+        train_update(model, window, optimizer, variant=VARIANTS["mean_of_means"])
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import dataclasses
 
-import torch
-from torch import nn
+__all__ = ["REFERENCE", "VARIANTS", "Variant", "variant"]
 
-from torch_ref._train import (
-    BUG_NAMES,
-    CLIP_PER_MICROBATCH,
-    DDP_AVERAGE_FORGOTTEN,
-    FIXED_DIVISOR_TAIL,
-    LOCAL_DENOMINATOR,
-    MEAN_OF_MEANS,
-    MISSING_1_OVER_K,
-    NO_SYNC_BACKWARD_ONLY,
-    SCHEDULER_PER_MICROBATCH,
-    Microbatch,
-    train_update,
+CHOICES: dict[str, tuple[str, ...]] = {
+    "objective": ("global_sum", "global_sum_no_R", "rank_mean", "microbatch_mean", "mean_of_means"),
+    "no_sync": ("forward_and_backward", "backward_only", "never"),
+    "clip": ("window", "per_microbatch"),
+    "scheduler": ("per_update", "per_microbatch"),
+    "tail_divisor": ("real_items", "nominal_k"),
+}
+"""The choices of each decision point, the reference's first."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One way of running the window loop: a choice at each of its five decision points.
+
+    Attributes:
+      name: the variant's name (a key of `VARIANTS`, or "reference").
+      objective: decision 1, the scalar each micro-batch backpropagates (see the
+        module docstring's table).
+      no_sync: decision 2, what ``DistributedDataParallel.no_sync()`` wraps on all
+        but the last micro-batch: "forward_and_backward" (one gradient all-reduce
+        per window; DDP decides at FORWARD time whether the next backward
+        all-reduces), "backward_only" (every micro-batch all-reduces), or "never"
+        (every micro-batch's gradient is global, as in a per-micro-batch pjit step).
+      clip: decision 3, clip (``max_grad_norm``) the window gradient once, or each
+        micro-batch's gradient alone before adding it.
+      scheduler: decision 4, step the LR scheduler once per APPLIED update, or
+        after every micro-batch (skipped windows included).
+      tail_divisor: decision 5, normalize a window by its real items and
+        micro-batches, or as if it had the nominal k micro-batches.
+      does: what the code does, in a sentence.
+      effect: what it does to the update.
+      seen_in: where it was seen.
+    """
+
+    name: str = "reference"
+    objective: str = "global_sum"
+    no_sync: str = "forward_and_backward"
+    clip: str = "window"
+    scheduler: str = "per_update"
+    tail_divisor: str = "real_items"
+    does: str = ""
+    effect: str = ""
+    seen_in: str = ""
+
+    def __post_init__(self) -> None:
+        for field, choices in CHOICES.items():
+            if getattr(self, field) not in choices:
+                raise ValueError(
+                    f"Variant.{field}: expected one of {choices}, got {getattr(self, field)!r}"
+                )
+
+    def switches(self) -> dict[str, str]:
+        """The choice at each decision point, ``{field: choice}``."""
+        return {field: getattr(self, field) for field in CHOICES}
+
+    @property
+    def communication_only(self) -> bool:
+        """True when the variant changes only what ``no_sync`` wraps: the same
+        numbers as the reference, more gradient all-reduces."""
+        differ = {f for f, c in self.switches().items() if c != CHOICES[f][0]}
+        return differ == {"no_sync"}
+
+
+REFERENCE = Variant(
+    does="counts the window's items first, backpropagates loss_sum * R / N per micro-batch "
+    "(no_sync around forward and backward of all but the last), then once: unscale, norm, "
+    "clip, step; the scheduler and counters advance only on a real step",
+    effect="exactly the big-batch update (docs/math.md, section 1)",
+    seen_in="the reference algorithm of docs/math.md",
 )
 
-__all__ = [
-    "BUG_NAMES",
-    "CLIP_PER_MICROBATCH",
-    "DDP_AVERAGE_FORGOTTEN",
-    "FIXED_DIVISOR_TAIL",
-    "LOCAL_DENOMINATOR",
-    "MEAN_OF_MEANS",
-    "MISSING_1_OVER_K",
-    "NO_SYNC_BACKWARD_ONLY",
-    "SCHEDULER_PER_MICROBATCH",
-    "clip_per_microbatch",
-    "ddp_average_forgotten",
-    "fixed_divisor_tail",
-    "local_denominator",
-    "mean_of_means",
-    "missing_1_over_k",
-    "no_sync_backward_only",
-    "scheduler_per_microbatch",
-]
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in (
+        Variant(
+            name="mean_of_means",
+            objective="mean_of_means",
+            does="each micro-batch takes its own mean, then the k means are averaged",
+            effect="a token of a 10-token micro-batch weighs 100x a token of a 1000-token one "
+            "(1/20 and 1/2000 instead of 1/1010 each)",
+            seen_in="optax.MultiSteps (no count input), Levanter, EasyDeL, TRL bnpo, "
+            "Hugging Face Trainer before late 2024 (TRL issue 2175)",
+        ),
+        Variant(
+            name="missing_1_over_k",
+            objective="microbatch_mean",
+            does="each micro-batch's mean loss is backpropagated without the 1/k",
+            effect="gradient and logged loss k x those of mean_of_means (k x the correct ones "
+            "when micro-batches hold equal items): an LR silently multiplied by k",
+            seen_in="TRL DAPO/GRPO custom compute_loss (reported loss 0.42 -> 1.68 at k=4)",
+        ),
+        Variant(
+            name="local_denominator",
+            objective="rank_mean",
+            does="each rank divides its loss sum by its OWN items, then DDP averages the ranks",
+            effect="gradient (1/R) sum_r grad(loss_sum_r) / N_r: ranks with few items are "
+            "over-weighted (correct only when every N_r is equal)",
+            seen_in="Hugging Face Trainer with average_tokens_across_devices=False",
+        ),
+        Variant(
+            name="ddp_average_forgotten",
+            objective="global_sum_no_R",
+            does="the summed loss is divided by the global items, but DDP still averages over R",
+            effect="gradient and loss / R",
+            seen_in="anyone using a summed loss under DDP without undoing the all-reduce mean",
+        ),
+        Variant(
+            name="clip_per_microbatch",
+            no_sync="never",
+            clip="per_microbatch",
+            does="every micro-batch is synchronized, clipped to max_grad_norm alone and added",
+            effect="the direction and size of the window gradient change whenever one "
+            "micro-batch exceeds the threshold (needs max_grad_norm and no GradScaler)",
+            seen_in="Praxis, Paxml (per-micro-batch clipping and NaN skipping)",
+        ),
+        Variant(
+            name="fixed_divisor_tail",
+            tail_divisor="nominal_k",
+            does="a short (tail) window is still divided by k micro-batches' worth",
+            effect="full windows are right; a tail of k_tail < k micro-batches gets k_tail / k "
+            "of its gradient (needs nominal_k; torch_ref.train passes its k)",
+            seen_in="Accelerate backward (loss / gradient_accumulation_steps, always)",
+        ),
+        Variant(
+            name="scheduler_per_microbatch",
+            scheduler="per_microbatch",
+            does="the LR scheduler steps after every micro-batch, skipped windows included",
+            effect="the LR curve runs k x too fast and moves on skipped windows",
+            seen_in="an outer TrainState.step with optax.MultiSteps; Hugging Face global_step "
+            "counted in micro-steps",
+        ),
+        Variant(
+            name="no_sync_backward_only",
+            no_sync="backward_only",
+            does="no_sync() wraps only backward; the forward runs outside it",
+            effect="the same gradient, but every micro-batch all-reduces: k x the gradient "
+            "communication",
+            seen_in="DDP loops that enter no_sync() after the forward (PyTorch's docs require "
+            "the forward inside it)",
+        ),
+    )
+}
+"""Every known bug of the loop, by name."""
 
-_Opt = torch.optim.Optimizer
 
+def variant(name: str | None) -> Variant:
+    """The `Variant` called ``name`` (None or "reference": `REFERENCE`).
 
-def mean_of_means(
-    model: nn.Module, microbatches: Sequence[Microbatch], optimizer: _Opt, **kw: Any
-) -> dict[str, Any]:
-    """Each micro-batch takes its own mean, then the k means are averaged.
-
-    A token of a 10-token micro-batch weighs 100x a token of a 1000-token one
-    (weights 1/(2*10) and 1/(2*1000) instead of 1/1010 each).
-    Seen in: optax.MultiSteps (no count input), Levanter, EasyDeL, TRL ``bnpo``,
-    Hugging Face Trainer before late 2024 (TRL issue 2175).
+    Raises:
+      ValueError: an unknown name (the message lists the known ones).
     """
-    return train_update(model, microbatches, optimizer, bug=MEAN_OF_MEANS, **kw)
-
-
-def missing_1_over_k(
-    model: nn.Module, microbatches: Sequence[Microbatch], optimizer: _Opt, **kw: Any
-) -> dict[str, Any]:
-    """Each micro-batch's mean loss is backpropagated without the 1/k.
-
-    Gradient and logged loss are k x those of `mean_of_means` (k x the correct
-    ones when micro-batches hold equal counts): an LR silently multiplied by k.
-    Seen in: TRL DAPO/GRPO custom ``compute_loss`` (reported loss 0.42 -> 1.68 at k=4).
-    """
-    return train_update(model, microbatches, optimizer, bug=MISSING_1_OVER_K, **kw)
-
-
-def local_denominator(
-    model: nn.Module, microbatches: Sequence[Microbatch], optimizer: _Opt, **kw: Any
-) -> dict[str, Any]:
-    """Each rank divides its loss sum by its OWN count, then DDP averages ranks.
-
-    Gradient ``(1/R) sum_r grad(loss_sum_r) / N_r``: ranks with few units are
-    over-weighted. Identical to the correct path only when all N_r are equal.
-    Seen in: Hugging Face Trainer with ``average_tokens_across_devices=False``.
-    """
-    return train_update(model, microbatches, optimizer, bug=LOCAL_DENOMINATOR, **kw)
-
-
-def ddp_average_forgotten(
-    model: nn.Module, microbatches: Sequence[Microbatch], optimizer: _Opt, **kw: Any
-) -> dict[str, Any]:
-    """Summed loss divided by the global count, but DDP still averages over R.
-
-    Gradient = correct / R (and loss / R). Seen in: anyone using a summed loss
-    under DDP without compensating the all-reduce mean.
-    """
-    return train_update(model, microbatches, optimizer, bug=DDP_AVERAGE_FORGOTTEN, **kw)
-
-
-def clip_per_microbatch(
-    model: nn.Module, microbatches: Sequence[Microbatch], optimizer: _Opt, **kw: Any
-) -> dict[str, Any]:
-    """Clips each micro-batch's gradient to ``max_grad_norm``, never the window's.
-
-    Every micro-batch is synchronized (its gradient is the global one, as in a
-    per-micro-batch pjit step), clipped alone and added to the accumulator, so
-    the direction and size of the window gradient change whenever one
-    micro-batch exceeds the threshold. Needs ``max_grad_norm``; no scaler.
-    Seen in: Praxis, Paxml (per-micro-batch clipping / NaN skipping).
-    """
-    return train_update(model, microbatches, optimizer, bug=CLIP_PER_MICROBATCH, **kw)
-
-
-def fixed_divisor_tail(
-    model: nn.Module, microbatches: Sequence[Microbatch], optimizer: _Opt, **kw: Any
-) -> dict[str, Any]:
-    """A short (tail) window is still divided by k micro-batches' worth.
-
-    The denominator is ``N * k_nominal / k_window`` (the count the window would
-    have had at full length): full windows are correct, a tail window of
-    k_window < k_nominal micro-batches gets k_window / k_nominal of its weight.
-    Needs ``nominal_k`` (`torch_ref.train` passes its k).
-    Seen in: Accelerate ``backward`` (loss / gradient_accumulation_steps always).
-    """
-    return train_update(model, microbatches, optimizer, bug=FIXED_DIVISOR_TAIL, **kw)
-
-
-def scheduler_per_microbatch(
-    model: nn.Module, microbatches: Sequence[Microbatch], optimizer: _Opt, **kw: Any
-) -> dict[str, Any]:
-    """The LR scheduler steps after every micro-batch, skipped windows included.
-
-    The LR curve then depends on k (it runs k x too fast) and moves on skipped
-    steps. Seen in: an outer TrainState.step with optax.MultiSteps; Hugging Face
-    ``global_step`` used for micro-steps.
-    """
-    return train_update(model, microbatches, optimizer, bug=SCHEDULER_PER_MICROBATCH, **kw)
-
-
-def no_sync_backward_only(
-    model: nn.Module, microbatches: Sequence[Microbatch], optimizer: _Opt, **kw: Any
-) -> dict[str, Any]:
-    """``no_sync()`` wraps only backward; forward runs outside it.
-
-    DDP decides at forward time whether the next backward all-reduces, so every
-    micro-batch all-reduces: same gradient, k x the gradient communication.
-    Seen in: references/001 (PyTorch docs require the forward inside no_sync).
-    """
-    return train_update(model, microbatches, optimizer, bug=NO_SYNC_BACKWARD_ONLY, **kw)
+    if name is None or name == REFERENCE.name:
+        return REFERENCE
+    if name not in VARIANTS:
+        raise ValueError(f"bug: expected None or one of {tuple(VARIANTS)}, got {name!r}")
+    return VARIANTS[name]

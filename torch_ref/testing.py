@@ -1,21 +1,38 @@
-"""Skewed-length test data, shared by torch_ref's tests (and usable by others).
+"""torch_ref's test toolkit: skewed-length data, micro-batches, window gradients.
 
 `skewed_batch` builds a global batch whose samples hold very different numbers
 of valid (shifted) labels, with masked prompts, right padding, and samples with
-no label at all, so that every wrong normalization shows up. With the default
-lengths and 8 samples:
+no label at all, so that every wrong normalization shows up (the project's one
+generator, ``tinygpt.data.skewed_batch``; `microbatches` cuts it with
+``tinygpt.data.layout(..., deal="in_order")``). With the default lengths and 8 samples:
 
     valid labels per sample   2, 47, 0, 0, 30, 1, 20, 40      (N = 140)
     layout (world 4, k 1)     ranks hold 49, 0, 31, 60        (one rank empty)
     layout (world 2, k 2)     ranks hold 49, 91; rank 0's 2nd micro-batch is empty
     layout (world 1, k 4)     micro-batches hold 49, 0, 31, 60
+
+`window_grad` reads the gradient the optimizer saw after one `train_update`
+with ``SGD(lr=0)`` (the step leaves the parameters unchanged, ``p.grad`` holds
+the window gradient); deviations are relative L2 over all parameters,
+``||g - g_ref|| / ||g_ref||`` (`rel_l2`).
 """
 
 from __future__ import annotations
 
-import numpy as np
+from typing import Any
 
-IGNORE_INDEX = -100
+import numpy as np
+import torch
+
+from tinygpt import TinyGPTConfig, data
+from tinygpt.data import IGNORE_INDEX  # noqa: F401 - re-exported for the tests
+from tinygpt.torch_gpt import TinyGPT
+from torch_ref._train import train_update
+
+CONFIG = TinyGPTConfig(block_size=48)  # the tests' model; skewed_batch's default seq_len is 48
+# Same-data different-layout window gradients agree to ~1e-7 relative (float32
+# summation order, measured 1.2e-7); 1e-5 is 80x that and 4+ orders of magnitude below any bug.
+LAYOUT_RTOL = 1e-5
 SKEWED_VALID: tuple[int, ...] = (2, 47, 0, 0, 30, 1, 20, 40)
 
 
@@ -25,31 +42,43 @@ def skewed_batch(
     seq_len: int = 48,
     vocab_size: int = 256,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A global batch of right-padded sequences with the given valid-label counts.
+    """``tinygpt.data.skewed_batch`` with torch_ref's settings: the given valid-label
+    counts, a prompt of ``min(4, seq_len - valid[i])`` tokens (position 0 and up to 3
+    more, label -100), ids from ``[1, vocab_size)``, int64 ``[len(valid), seq_len]``."""
+    return data.skewed_batch(
+        seed, valid, seq_len=seq_len, prompt_len=4, vocab=vocab_size, dtype=np.int64
+    )
 
-    Sample i: a prompt of ``p_i = min(3, seq_len - 1 - valid[i])`` tokens whose
-    labels are -100, then ``valid[i]`` labelled tokens, then padding (token 0,
-    label -100). Labels are aligned with the inputs (``labels[t] = ids[t]``);
-    the causal shift happens in the loss, so label position 0 is never a target.
 
-    Args:
-      seed: numpy seed of the token ids.
-      valid: valid (shifted) labels per sample, each <= seq_len - 1.
-      seq_len: T.
-      vocab_size: ids are drawn from [1, vocab_size).
+def microbatches(
+    input_ids: np.ndarray, labels: np.ndarray, k: int
+) -> list[dict[str, torch.Tensor]]:
+    """One rank's window: the batch cut into k consecutive micro-batches, as tensors."""
+    tokens, labels = data.layout(input_ids, labels, 1, k, deal="in_order")  # [1, k, mb, T]
+    return [
+        {
+            "input_ids": torch.from_numpy(t.astype(np.int64)),
+            "labels": torch.from_numpy(y.astype(np.int64)),
+        }
+        for t, y in zip(tokens[0], labels[0], strict=True)
+    ]
 
-    Returns:
-      (input_ids, labels), both int64 [len(valid), seq_len].
-    """
-    rng = np.random.default_rng(seed)
-    n = len(valid)
-    ids = rng.integers(1, vocab_size, (n, seq_len)).astype(np.int64)
-    labels = np.full((n, seq_len), IGNORE_INDEX, dtype=np.int64)
-    for i, v in enumerate(valid):
-        if not 0 <= v <= seq_len - 1:
-            raise ValueError(f"valid[{i}]={v}: expected 0 <= v <= seq_len - 1 = {seq_len - 1}")
-        p = min(3, seq_len - 1 - v)
-        end = 1 + p + v
-        labels[i, 1 + p : end] = ids[i, 1 + p : end]
-        ids[i, end:] = 0
-    return ids, labels
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient, concatenated in parameter order."""
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||``."""
+    return float((a - b).norm() / b.norm())
+
+
+def window_grad(
+    window: list[dict[str, torch.Tensor]], *, seed: int = 0, **train_update_kwargs: Any
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """(record, window gradient) of one `train_update` of ``TinyGPT(CONFIG, seed)``, SGD lr 0."""
+    model = TinyGPT(CONFIG, seed=seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    record = train_update(model, window, opt, **train_update_kwargs)
+    return record, flat_grad(model)

@@ -17,13 +17,8 @@ samples as ``train.py``, 16 per update in k = 4 micro-batches, next to a plain
 from __future__ import annotations
 
 import os
-import pathlib
-import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_ROOT = pathlib.Path(__file__).resolve().parents[2]
-if str(_ROOT) not in sys.path:  # parity_tests lives at the repository root
-    sys.path.insert(0, str(_ROOT))
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -33,7 +28,7 @@ import optax  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import jaxaccum  # noqa: E402
-from parity_tests.scenarios import Scenario, global_batches, layout  # noqa: E402
+from tinygpt import data  # noqa: E402
 
 UPDATES, K = 5, 4
 # fp32: the big batch and 4 micro-batches add the same token losses in another
@@ -109,20 +104,23 @@ def main() -> int:
         lambda p: train_state.TrainState.create(apply_fn=model.apply, params=p, tx=optax.adam(1e-2))
     )(params)
 
-    scenario = Scenario(world=1, k=K, n_updates=UPDATES, samples_per_update=16, seq_len=64)
+    rng = np.random.default_rng(0)  # the samples: tinygpt.data, one generator for all updates
     print(
         f"Linen bigram LM, AccumTrainState with jaxaccum.multi_steps(adam, k={K}) vs a plain"
         " TrainState on the big batch"
     )
-    for u, (tokens, labels) in enumerate(global_batches(scenario)):
+    for _ in range(UPDATES):
+        tokens, labels = data.skewed_batch(rng, rows=16, seq_len=64)
         big = big_batch_step(big, tokens, labels)
-        tok, lab = layout(tokens, labels, world=1, k=K)
+        tok, lab = data.layout(tokens, labels, devices=1, k=K)
         for m in range(K):
             accum = accum_step(accum, tok[0, m], lab[0, m])
         metrics = jaxaccum.window_metrics(accum.opt_state)
         gap = max(
             float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-            for a, b in zip(jax.tree.leaves(accum.params), jax.tree.leaves(big.params))
+            for a, b in zip(
+                jax.tree.leaves(accum.params), jax.tree.leaves(big.params), strict=False
+            )
         )
         print(
             f"update {int(accum.step)} (micro_step {int(metrics.micro_step)}) | window_items"

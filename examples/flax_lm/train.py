@@ -3,7 +3,7 @@
     .venv/bin/python examples/flax_lm/train.py           # 25 updates, writes loss_curves.png
     .venv/bin/python examples/flax_lm/train.py --quick   # 2 updates, big batch and jaxaccum only
 
-The data are SFT-style samples cut from ``parity_tests/corpus.txt``: a prompt
+The data are SFT-style samples cut from ``tinygpt/corpus.txt``: a prompt
 (labels -100) and a response of very unequal length (0 to ~60 valid tokens),
 16 samples per update, cut into k = 4 micro-batches (one of them holds only
 samples without a valid token). Three pipelines start from the same weights,
@@ -42,8 +42,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import jaxaccum  # noqa: E402
-from parity_tests import flax_gpt  # noqa: E402
-from parity_tests.scenarios import Scenario, global_batches, layout  # noqa: E402
+from tinygpt import data, flax_gpt  # noqa: E402
+from tinygpt.weights import init_state_dict  # noqa: E402
 
 DEVICES = 4  # data-parallel devices of the jaxaccum pipeline
 
@@ -92,9 +92,9 @@ def new_model(seed: int) -> flax_gpt.TinyGPT:
     Built from its abstract shape and numpy weights: no op runs eagerly, so
     nothing is compiled one operation at a time.
     """
-    abstract = nnx.eval_shape(lambda: flax_gpt.TinyGPT(CONFIG, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: flax_gpt.TinyGPT(CONFIG))
     graphdef, state = nnx.split(abstract)
-    weights = flax_gpt.init_state_dict(CONFIG, seed=seed)  # torch-layout numpy, float64
+    weights = init_state_dict(CONFIG, seed=seed)  # torch-layout numpy, float64
     nnx.replace_by_pure_dict(
         state, flax_gpt.params_from_state_dict(weights, CONFIG, dtype=jnp.float32)
     )
@@ -189,17 +189,13 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
     (largest |param - big-batch param|) and ``rel_<name>`` (L2 distance from the
     big-batch parameters over the L2 distance the big batch moved).
     """
-    scenario = Scenario(
-        world=1,
-        k=s.k,
-        n_updates=s.updates,
-        samples_per_update=s.samples_per_update,
-        seq_len=s.seq_len,
-        data_seed=s.seed,
-    )
-    big_batches = global_batches(scenario)  # [16, T] per update
+    rng = np.random.default_rng(s.seed)  # tinygpt.data: one generator for all the updates
+    big_batches = [  # [16, T] per update
+        data.skewed_batch(rng, rows=s.samples_per_update, seq_len=s.seq_len)
+        for _ in range(s.updates)
+    ]
     windows = [  # [devices, k, mb, T]: micro-batch m of every device is one global batch
-        layout(tokens, labels, world=DEVICES, k=s.k) for tokens, labels in big_batches
+        data.layout(tokens, labels, devices=DEVICES, k=s.k) for tokens, labels in big_batches
     ]
     mesh = jax.make_mesh((DEVICES,), ("data",))  # Explicit axes: JAX's default
 
@@ -393,9 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         assert history["big"][-1] < history["big"][0] - 2.0
     if plot_path is not None:
         plot(history, plot_path, s)
-        print(
-            f"plot: {plot_path.relative_to(_ROOT) if plot_path.is_relative_to(_ROOT) else plot_path}"
-        )
+        print(f"plot: {plot_path}")
     return 0
 
 

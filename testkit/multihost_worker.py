@@ -1,6 +1,6 @@
-"""One process of the multi-host test (launched by ``_multihost_test.py``).
+"""One process of the multi-host test (launched by ``jaxaccum/_multihost_test.py``).
 
-``python -m jaxaccum._multihost_worker PROCESS_ID NUM_PROCESSES PORT OUT.npz MODE``
+``python -m testkit.multihost_worker PROCESS_ID NUM_PROCESSES PORT OUT.npz MODE``
 joins a ``jax.distributed`` job on 127.0.0.1:PORT with 2 CPU devices per
 process and gloo collectives, and trains the same scenario as the
 single-process reference: ``multi_steps(axis_name='data')`` under
@@ -31,7 +31,7 @@ AXIS = "data"
 
 def scenario() -> dict[str, np.ndarray]:
     """``{'tokens', 'labels'}`` of shape [windows, devices, k, micro_batch, seq]."""
-    from jaxaccum._testing import Layout, skewed_windows
+    from testkit import Layout, skewed_windows
 
     return skewed_windows(Layout(DEVICES, K, MICRO_BATCH), WINDOWS, seed=SEED)
 
@@ -51,7 +51,7 @@ def train(mesh, local_windows: dict[str, np.ndarray], mode: str) -> dict[str, np
     from jax.sharding import PartitionSpec as P
 
     import jaxaccum
-    from jaxaccum._testing import tiny_lm_loss, tiny_lm_params
+    from testkit import tiny_lm_loss, tiny_lm_params
 
     tx = jaxaccum.multi_steps(
         optax.adamw(1e-2, b1=0.9, b2=0.95, weight_decay=0.1), K, axis_name=AXIS
@@ -93,11 +93,9 @@ def train(mesh, local_windows: dict[str, np.ndarray], mode: str) -> dict[str, np
     with jax.set_mesh(mesh) if mode == "jit" else contextlib.nullcontext():
         for w in range(WINDOWS):
             for m in range(K):
+                rows = jax.tree.map(lambda x, w=w, m=m: as_global(x[w, :, m]), local_windows)
                 batch = jax.tree.map(
-                    lambda x: jax.make_array_from_process_local_data(
-                        per_device, as_global(x[w, :, m])
-                    ),
-                    local_windows,
+                    lambda x: jax.make_array_from_process_local_data(per_device, x), rows
                 )
                 params, state = step(params, state, batch)
             records.append(jax.tree.map(local, jaxaccum.window_metrics(state))._asdict())

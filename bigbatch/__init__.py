@@ -1,0 +1,77 @@
+"""The big-batch math in plain numpy, shared by jaxaccum and torch_ref.
+
+The vocabulary of a window's record (``SkipReason``, ``RECORD_KEYS``), and an
+audit of an accumulation loop, framework-free: the weight each known bug
+gives an item of each cell (one micro-batch on one device), the layout of a
+user's rows into cells that differ strongly in items, the least-squares fit of
+the weights a loop's SGD update gives the cells, and the report. The framework
+code (``jaxaccum.audit``) only runs the loop and differentiates the reference
+loss per cell. The method and its limits: ``docs/audit.md``.
+
+    layout = layout_rows(row_items, k=4, num_devices=2)
+    check_sums(loss_sum, num_items, row_losses, row_items)  # the loss adds up over rows
+    check_layout(layout)                           # the rows can tell the bugs apart
+    report = audit_update(update, cell_grads, layout, learning_rate=1.0,
+                          big_batch_update=big_batch_update)
+    assert report.passed, report
+
+Imports numpy only.
+"""
+
+from bigbatch._fit import (
+    ITEMS_RTOL,
+    LOSS_RTOL,
+    MAX_CONDITION,
+    MAX_ROUNDING,
+    RESIDUAL_RTOL,
+    SEPARATION,
+    WEIGHT_RTOL,
+    audit_update,
+    check_layout,
+    check_precision,
+    check_sums,
+    check_window,
+)
+from bigbatch._forms import (
+    BUG_NAMES,
+    EXACT,
+    FIXES,
+    FORM_NAMES,
+    FORMULAS,
+    WHAT_IT_DOES,
+    checkable_forms,
+    form_weights,
+)
+from bigbatch._layout import Layout, layout_rows, tail_microbatches
+from bigbatch._records import RECORD_KEYS, SkipReason
+from bigbatch._report import UNKNOWN, AuditReport
+
+__all__ = [
+    "BUG_NAMES",
+    "EXACT",
+    "FIXES",
+    "FORMULAS",
+    "FORM_NAMES",
+    "ITEMS_RTOL",
+    "LOSS_RTOL",
+    "MAX_CONDITION",
+    "RECORD_KEYS",
+    "MAX_ROUNDING",
+    "RESIDUAL_RTOL",
+    "SEPARATION",
+    "UNKNOWN",
+    "WEIGHT_RTOL",
+    "WHAT_IT_DOES",
+    "AuditReport",
+    "Layout",
+    "SkipReason",
+    "audit_update",
+    "check_layout",
+    "check_precision",
+    "check_sums",
+    "check_window",
+    "checkable_forms",
+    "form_weights",
+    "layout_rows",
+    "tail_microbatches",
+]

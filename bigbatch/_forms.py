@@ -1,0 +1,154 @@
+"""How the big batch and each known accumulation bug weigh an item of each cell.
+
+A window is one optimizer update built from ``k`` micro-batches on each of
+``R`` devices; a *cell* is one micro-batch on one device. With ``n_c`` the
+items of cell ``c`` (valid tokens, or samples), ``N_r`` those of its device
+and ``N`` those of the window, every known bug computes the window gradient as
+a reweighting of the gradients ``G_c`` of the cells' SUMMED losses::
+
+    g = sum_c w_c * G_c
+
+and differs only in ``w_c`` (``docs/math.md`` derives each one):
+
+    exact                   1 / N
+    mean_of_means           1 / (k R n_c)
+    missing_1_over_k        1 / (R n_c)
+    local_denominator       1 / (R N_r)
+    ddp_average_forgotten   1 / (R N)
+    fixed_divisor_tail      (k_tail / k) / N      (a short window of k_tail < k micro-batches)
+
+Here every weight is written as a multiple of the big batch's ``1 / N``, so
+``exact`` is 1 in every cell. In a short window ``k`` stays the nominal number
+of micro-batches: it is the constant such code divides by.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+EXACT = "exact"
+MEAN_OF_MEANS = "mean_of_means"
+MISSING_1_OVER_K = "missing_1_over_k"
+LOCAL_DENOMINATOR = "local_denominator"
+DDP_AVERAGE_FORGOTTEN = "ddp_average_forgotten"
+FIXED_DIVISOR_TAIL = "fixed_divisor_tail"
+
+BUG_NAMES: tuple[str, ...] = (
+    MEAN_OF_MEANS,
+    MISSING_1_OVER_K,
+    LOCAL_DENOMINATOR,
+    DDP_AVERAGE_FORGOTTEN,
+    FIXED_DIVISOR_TAIL,
+)
+"""The reweighting bugs, with the names of ``torch_ref.buggy``."""
+
+FORM_NAMES: tuple[str, ...] = (EXACT, *BUG_NAMES)
+"""Every known form, in the order a verdict prefers them when two fit."""
+
+FORMULAS: dict[str, str] = {
+    EXACT: "1/N",
+    MEAN_OF_MEANS: "1/(k R n_c)",
+    MISSING_1_OVER_K: "1/(R n_c)",
+    LOCAL_DENOMINATOR: "1/(R N_r)",
+    DDP_AVERAGE_FORGOTTEN: "1/(R N)",
+    FIXED_DIVISOR_TAIL: "(k_tail/k)/N",
+}
+"""The weight of an item of cell ``c`` under each form."""
+
+WHAT_IT_DOES: dict[str, str] = {
+    EXACT: "the big batch: one mean over all the window's items",
+    MEAN_OF_MEANS: "each micro-batch takes its own mean, then the k means are averaged",
+    MISSING_1_OVER_K: "each micro-batch's mean is added without dividing by k",
+    LOCAL_DENOMINATOR: "each device divides by its own items, then devices are averaged",
+    DDP_AVERAGE_FORGOTTEN: "summed loss / N per device, then the devices are averaged, not added",
+    FIXED_DIVISOR_TAIL: "a short window is still divided as if it had k micro-batches",
+}
+
+FIXES: dict[str, str] = {
+    EXACT: "nothing to fix",
+    MEAN_OF_MEANS: "accumulate summed losses and their items; divide once, by the window's N",
+    MISSING_1_OVER_K: "divide once by the window's N (then there is no 1/k to forget)",
+    LOCAL_DENOMINATOR: "add the items over devices before dividing (N, not N_r)",
+    DDP_AVERAGE_FORGOTTEN: "add the device gradients (psum), or multiply the loss by R",
+    FIXED_DIVISOR_TAIL: "divide a short window by its own items",
+}
+
+
+def form_weights(name: str, items: np.ndarray, *, k: int) -> np.ndarray:
+    """The weight of an item of each cell under one known form, in units of ``1/N``.
+
+    .. math::
+
+       \\frac{w_c}{1/N} = 1,\\ \\frac{N}{k R n_c},\\ \\frac{N}{R n_c},\\ \\frac{N}{R N_r},\\
+       \\frac{1}{R},\\ \\frac{k_{tail}}{k}
+
+    for ``exact``, ``mean_of_means``, ``missing_1_over_k``, ``local_denominator``,
+    ``ddp_average_forgotten`` and ``fixed_divisor_tail``.
+
+    Args:
+      name: one of :data:`FORM_NAMES`.
+      items: ``[R, k_window]`` items of each cell (device ``r``, micro-batch
+        ``m``); ``k_window`` is ``k``, or ``k_tail < k`` in a short window.
+      k: the nominal number of micro-batches per window.
+
+    Returns:
+      ``[R, k_window]`` float64 weights as multiples of the big batch's
+      ``1/N``; NaN for a cell without items (its gradient is zero, whatever
+      its weight).
+
+    Example:
+      >>> import numpy as np
+      >>> form_weights("mean_of_means", np.array([[3.0, 1.0]]), k=2)  # N = 4
+      array([[0.66666667, 2.        ]])
+    """
+    if name not in FORM_NAMES:
+        raise ValueError(f"name: expected one of {FORM_NAMES}, got {name!r}")
+    items = np.asarray(items, np.float64)
+    if items.ndim != 2 or items.size == 0 or np.any(items < 0) or not np.all(np.isfinite(items)):
+        raise ValueError(
+            "items: expected a non-empty [num_devices, micro_batches] array of finite, non-negative"
+            f" items per cell; got {items!r}"
+        )
+    num_devices, k_window = items.shape
+    total = items.sum()
+    device_items = np.broadcast_to(items.sum(axis=1, keepdims=True), items.shape)
+    has_items = items > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        weights = {
+            EXACT: np.ones_like(items),
+            MEAN_OF_MEANS: total / (k * num_devices * items),
+            MISSING_1_OVER_K: total / (num_devices * items),
+            LOCAL_DENOMINATOR: total / (num_devices * device_items),
+            DDP_AVERAGE_FORGOTTEN: np.full_like(items, 1.0 / num_devices),
+            FIXED_DIVISOR_TAIL: np.full_like(items, k_window / k),
+        }[name]
+    return np.where(has_items, weights, np.nan)
+
+
+def checkable_forms(num_devices: int, k_window: int, *, k: int) -> tuple[str, ...]:
+    """The forms that some window of this shape can tell apart from the big batch.
+
+    A bug that weighs every cell like the big batch whatever the items is no
+    bug on this shape (a local denominator on one device is the global one; a
+    fixed divisor needs a short window; dividing a one-cell window by its own
+    items is right). Decided on a window whose cells all hold different items.
+
+    Args:
+      num_devices: ``R``.
+      k_window: the micro-batches of the window (``k``, or ``k_tail``).
+      k: the nominal micro-batches per window.
+
+    Returns:
+      ``exact`` and the bug names that differ from it on such a window, in
+      :data:`FORM_NAMES` order.
+
+    Example:
+      >>> checkable_forms(1, 4, k=4)
+      ('exact', 'mean_of_means', 'missing_1_over_k')
+    """
+    distinct = np.arange(1.0, num_devices * k_window + 1.0).reshape(num_devices, k_window)
+    return tuple(
+        name
+        for name in FORM_NAMES
+        if name == EXACT or not np.allclose(form_weights(name, distinct, k=k), 1.0)
+    )

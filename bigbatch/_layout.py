@@ -1,0 +1,138 @@
+"""Where the audit puts the user's rows: which device and micro-batch gets which row.
+
+The known bugs differ only in how they weigh cells that hold different items
+(``_forms.py``): on a window whose cells all hold the same items, the mean of
+means *is* the big batch. So the audit lays the rows out to make the cells as
+unequal as equal row counts allow (every cell gets the same number of rows:
+shapes must not change between micro-batches). It sorts the rows by items and
+hands out consecutive blocks: the emptiest blocks to the last device (no item
+at all when there are enough rows without items), the next ones to device 0
+(few items), the fullest to the devices in between. On one device the
+micro-batches differ instead, the first one the emptiest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+def tail_microbatches(k: int) -> int:
+    """The micro-batches of the short window the audit builds for ``k``: ``k // 2``, at least 1.
+
+    Example:
+      >>> tail_microbatches(4), tail_microbatches(3)
+      (2, 1)
+    """
+    return max(1, k // 2)
+
+
+class WindowShape:
+    """The shape of a window, read off ``items`` (``[R, k_window]``) and the nominal ``k``."""
+
+    items: np.ndarray
+    k: int
+
+    @property
+    def num_devices(self) -> int:
+        return int(self.items.shape[0])
+
+    @property
+    def k_window(self) -> int:
+        """The micro-batches of this window (``k``, or fewer in a short window)."""
+        return int(self.items.shape[1])
+
+    @property
+    def short_window(self) -> bool:
+        return self.k_window < self.k
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Layout(WindowShape):
+    """A window of the user's rows: ``R`` devices x ``k_window`` micro-batches x ``p`` rows.
+
+    Attributes:
+      rows: int64 ``[R, k_window, p]``, the batch rows of each cell (device
+        ``r``, micro-batch ``m``).
+      items: float64 ``[R, k_window]``, the items of each cell.
+      k: the nominal micro-batches per window (``k_window`` is smaller in a
+        short window).
+      left_out: int64, the batch rows that are in no cell (the batch's rows
+        beyond a multiple of the number of cells).
+    """
+
+    rows: np.ndarray
+    items: np.ndarray
+    k: int
+    left_out: np.ndarray
+
+    @property
+    def rows_per_cell(self) -> int:
+        return int(self.rows.shape[2])
+
+    def microbatch_rows(self, m: int) -> np.ndarray:
+        """The batch rows of micro-batch ``m``, global over the devices.
+
+        Device ``r`` owns the contiguous slice ``[r * p, (r + 1) * p)`` (how
+        data-parallel code splits a batch by default).
+        """
+        return self.rows[:, m, :].reshape(-1)
+
+
+def layout_rows(
+    row_items: np.ndarray, *, k: int, num_devices: int, short_window: bool = False
+) -> Layout:
+    """Lays the rows out so that the cells differ strongly in items.
+
+    Sorted by items, the rows are cut into ``C = R * k_window`` consecutive
+    blocks of ``p = floor(B / C)`` rows (the rows in the middle of the order
+    beyond ``C * p`` are left out). Block ``j`` goes to device
+    ``[R-1, 0, 1, ..., R-2][j // k_window]``, micro-batch ``j % k_window``.
+
+    Args:
+      row_items: ``[B]`` the items of each row of the batch (non-negative).
+      k: the nominal micro-batches per window.
+      num_devices: ``R``.
+      short_window: build a short window of ``tail_microbatches(k)``
+        micro-batches instead of ``k``.
+
+    Returns:
+      A :class:`Layout`.
+
+    Example:
+      >>> import numpy as np
+      >>> layout = layout_rows(np.array([3.0, 1.0, 0.0, 5.0]), k=2, num_devices=2)
+      >>> layout.items  # the last device gets the emptiest rows
+      array([[3., 5.],
+             [0., 1.]])
+      >>> layout.microbatch_rows(0)  # micro-batch 0: device 0's row, then device 1's
+      array([0, 2])
+    """
+    row_items = np.asarray(row_items, np.float64)
+    if row_items.ndim != 1 or np.any(row_items < 0) or not np.all(np.isfinite(row_items)):
+        raise ValueError(
+            "row_items: expected a 1-D array of finite, non-negative items per row;"
+            f" got {row_items!r}"
+        )
+    k_window = tail_microbatches(k) if short_window else k
+    cells = num_devices * k_window
+    per_cell = row_items.size // cells
+    if per_cell == 0:
+        raise ValueError(
+            f"batch: expected at least {cells} rows (num_devices={num_devices} x"
+            f" {k_window} micro-batches, one row per cell at least); got {row_items.size}"
+        )
+    order = np.argsort(row_items, kind="stable")
+    used = cells * per_cell
+    low, high = used // 2, used - used // 2  # keep both ends of the order: the extremes
+    kept = np.concatenate([order[:low], order[order.size - high :]])
+    left_out = np.sort(order[low : order.size - high])
+    blocks = kept.reshape(cells, per_cell)
+    device_order = [num_devices - 1, *range(num_devices - 1)]  # emptiest to the last device
+    rows = np.empty((num_devices, k_window, per_cell), np.int64)
+    for rank, device in enumerate(device_order):
+        rows[device] = blocks[rank * k_window : (rank + 1) * k_window]
+    return Layout(
+        rows=rows, items=row_items[rows].sum(axis=-1), k=int(k), left_out=left_out.astype(np.int64)
+    )

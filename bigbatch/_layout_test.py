@@ -1,0 +1,49 @@
+"""The layout: equal rows per cell, cells as unequal as that allows, the emptiest last."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import bigbatch
+
+SKEWED = np.array([0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 8, 9, 10, 11], float)
+
+
+def test_four_devices_one_empty_one_with_few():
+    layout = bigbatch.layout_rows(SKEWED, k=4, num_devices=4)
+    assert layout.rows.shape == (4, 4, 1) and layout.left_out.size == 0
+    # exact integers: the last device gets the 4 rows without an item, device 0 the next fewest
+    np.testing.assert_array_equal(layout.items.sum(axis=1), [6, 18, 38, 0])
+    assert sorted(layout.rows.reshape(-1).tolist()) == list(range(16))  # every row once
+
+
+def test_one_device_the_microbatches_differ():
+    layout = bigbatch.layout_rows(SKEWED, k=4, num_devices=1)
+    np.testing.assert_array_equal(layout.items, [[0, 6, 18, 38]])  # 4 rows each
+
+
+def test_microbatch_rows_are_contiguous_device_slices():
+    layout = bigbatch.layout_rows(SKEWED, k=2, num_devices=2)
+    rows = layout.microbatch_rows(1)
+    # device 0's 4 rows of micro-batch 1, then device 1's
+    np.testing.assert_array_equal(rows, np.concatenate([layout.rows[0, 1], layout.rows[1, 1]]))
+    np.testing.assert_array_equal(SKEWED[rows[:4]].sum(), layout.items[0, 1])
+
+
+def test_rows_beyond_a_multiple_of_the_cells_are_left_out_from_the_middle():
+    items = np.arange(10, dtype=float)  # 10 rows into 4 cells of 2: rows 4 and 5 left out
+    layout = bigbatch.layout_rows(items, k=4, num_devices=1)
+    np.testing.assert_array_equal(layout.left_out, [4, 5])
+    np.testing.assert_array_equal(layout.items, [[1, 5, 13, 17]])  # 0+1, 2+3, 6+7, 8+9
+
+
+def test_short_window():
+    layout = bigbatch.layout_rows(SKEWED, k=4, num_devices=1, short_window=True)
+    assert layout.k_window == bigbatch.tail_microbatches(4) == 2 and layout.short_window
+    np.testing.assert_array_equal(layout.items, [[6, 56]])  # 8 rows each
+
+
+def test_too_few_rows():
+    with pytest.raises(ValueError, match="batch: expected at least 8 rows"):
+        bigbatch.layout_rows(np.ones(7), k=4, num_devices=2)

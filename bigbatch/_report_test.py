@@ -1,0 +1,99 @@
+"""The report reads at a glance: the headline, the table, and ``assert report.passed, report``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+
+import bigbatch
+
+
+def report_of(weights: np.ndarray, items: np.ndarray, k: int) -> bigbatch.AuditReport:
+    """The report of a loop that weighs each cell by ``weights`` (units of 1/N), exactly."""
+    layout = bigbatch.Layout(
+        rows=np.arange(items.size).reshape(items.shape + (1,)), items=items, k=k,
+        left_out=np.zeros(0, np.int64),
+    )  # fmt: skip
+    grads = np.random.default_rng(0).normal(size=items.shape + (4 * items.size,))
+    grads[items == 0] = 0.0
+    gradient = np.einsum("rm,rmp->p", np.nan_to_num(weights), grads) / items.sum()
+    big = -grads.sum(axis=(0, 1)) / items.sum()
+    return bigbatch.audit_update(-gradient, grads, layout, learning_rate=1.0, big_batch_update=big)
+
+
+ITEMS = np.array([[3.0, 5.0, 2.0, 7.0], [4.0, 1.0, 6.0, 9.0]])
+
+
+def test_the_headline_names_the_worst_cell():
+    weights = np.ones_like(ITEMS)
+    weights[1, 3] = 12.3  # one cell over-weighted, the rest like the big batch
+    report = report_of(weights, ITEMS, k=4)
+    expected = "your loop weighs an item of device 1, micro-batch 3 at 12.3x the big batch"
+    assert report.summary() == f"FAILED, unknown: {expected}"
+    assert expected in str(report) and expected in repr(report)
+
+
+def test_a_device_whose_cells_weigh_alike_is_named_as_a_device():
+    weights = bigbatch.form_weights("local_denominator", ITEMS, k=4)
+    report = report_of(weights, ITEMS, k=4)
+    # N = 37, N_0 = 17, N_1 = 20: 37 / 34 = 1.09 and 37 / 40 = 0.925
+    assert "an item of device 0 at 1.09x the big batch, one of device 1 at 0.925x" in repr(report)
+
+
+def test_the_table_has_a_row_per_cell_and_the_notes():
+    items = np.array([[3.0, 5.0, 2.0, 7.0], [0.0, 1.0, 6.0, 20.0]])  # a cell without items
+    report = report_of(bigbatch.form_weights("mean_of_means", items, k=4), items, k=4)
+    lines = str(report).splitlines()
+    assert lines[0].startswith("Audit of one accumulated SGD update (4 micro-batches x 2 devices")
+    header = lines[2].split()
+    assert (
+        header[:4] == ["device", "micro-batch", "items", "your"] and header[-1] == "mean_of_means"
+    )
+    rows = [line.split() for line in lines[3:11]]
+    assert [row[:2] for row in rows] == [[str(r), str(m)] for r in range(2) for m in range(4)]
+    # device 0, micro-batch 0: 3 of 44 items; the mean of means weighs them 44 / (4 * 2 * 3)
+    assert rows[0][2:] == ["3", "1.83x", "1.00x", "1.83x"]
+    assert rows[4][3] == "-" and "left out of the fit" in lines[7]
+    assert any(line.startswith("fix: accumulate summed losses") for line in lines)
+    markdown = report.to_markdown().splitlines()
+    assert markdown[2].startswith("| device | micro-batch | items | your weight | big batch |")
+    assert markdown[3].startswith("|---:|---:|") and len(markdown[4:12]) == 8
+
+
+def test_the_repr_fits_what_pytest_shows_of_an_assertion_message():
+    many = np.arange(1.0, 65.0).reshape(8, 8)  # 8 devices x 8 micro-batches
+    report = report_of(bigbatch.form_weights("mean_of_means", many, k=8), many, k=8)
+    assert len(repr(report)) <= 240, repr(report)  # pytest's limit without -vv
+
+
+def test_assert_report_passed_reads_well_in_a_users_pytest(tmp_path):
+    # a user's test file, no conftest: pytest prints the repr of the message
+    test_file = tmp_path / "test_my_loop.py"
+    test_file.write_text(
+        textwrap.dedent("""
+        import numpy as np
+        import bigbatch
+
+        def test_my_loop():
+            layout = bigbatch.layout_rows(np.array([3.0, 1.0]), k=2, num_devices=1)
+            grads = np.array([[[1.0, 0.0], [0.0, 3.0]]])
+            report = bigbatch.audit_update(
+                np.array([-0.5, -0.5]), grads, layout, learning_rate=1.0,
+                big_batch_update=np.array([-0.25, -0.75]))
+            assert report.passed, report
+    """)
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    expected = (
+        "AssertionError: AuditReport(FAILED, mean_of_means: your loop weighs an item of"
+        " micro-batch 0 at 2.00x the big batch, one of micro-batch 1 at 0.667x;"
+        " print(report) for the table)"
+    )
+    assert expected in result.stdout, result.stdout

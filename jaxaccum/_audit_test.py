@@ -1,0 +1,415 @@
+"""The audit recovers how each known JAX accumulation loop weighs its cells, and names it.
+
+Every loop runs one SGD update of the tiny LM of ``testkit`` on the audit's
+layout of the same rows (a row with ``n`` valid tokens has labels at positions
+``1..n``). The bug loops are written as they are found in the wild; the
+expected weights are the formulas of ``docs/math.md`` (``bigbatch.form_weights``).
+The loops are a user's code, so they run under JAX's standard numerics; the
+audit itself runs under the session's strict ones.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import bigbatch
+import jaxaccum
+from testkit import (
+    AXIS,
+    IGNORE_INDEX,
+    data_parallel,
+    standard_numerics,
+    tiny_lm_logits,
+    tiny_lm_loss,
+    tiny_lm_params,
+)
+
+# The weights of a float32 loop come out within ~1e-6 (relative) of their
+# formula (float32 gradients summed in another order, the update read back as
+# new - old); 1e-4 leaves 100x room and is still 500x below the 5% by which the
+# audit's layout separates any two forms.
+WEIGHT_RTOL = 1e-4
+# A reweighting's relative residual is float32 rounding, ~1e-7..1e-6; 1e-4 is the
+# same margin (the audit's own threshold, RESIDUAL_RTOL, is 1e-3).
+RESIDUAL_MAX = 1e-4
+# What a loop that is no reweighting leaves at the least: 50x the audit's threshold.
+RESIDUAL_MIN = 0.05
+SEQ_LEN = 12
+K = 4  # micro-batches per window; the audit's short window has 2
+
+
+def rows(tokens: list[int], seed: int = 0) -> dict[str, np.ndarray]:
+    """A batch of ``len(tokens)`` rows; row ``i`` holds ``tokens[i]`` valid tokens."""
+    rng = np.random.default_rng(seed)
+    positions = np.arange(SEQ_LEN)
+    valid = (positions >= 1) & (positions <= np.asarray(tokens)[:, None])
+    labels = np.where(valid, rng.integers(0, 13, (len(tokens), SEQ_LEN)), IGNORE_INDEX)
+    inputs = rng.integers(0, 13, (len(tokens), SEQ_LEN))
+    return {"tokens": inputs.astype(np.int32), "labels": labels.astype(np.int32)}
+
+
+# 16 rows, all with tokens (a mean per micro-batch stays finite): the one-device loops
+FULL_TOKENS = [1, 1, 2, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 11]
+FULL = rows(FULL_TOKENS)
+# 16 rows, four without a token: the last device of a data-parallel window gets none
+SKEWED = rows([0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 8, 9, 10, 11], seed=1)
+PARAMS = tiny_lm_params()
+
+
+def audit(window_fn, batch=FULL, **kwargs) -> bigbatch.AuditReport:
+    """``audit_window`` with the tiny LM's summed loss, the user's loop under standard numerics."""
+
+    def users_code(*args):
+        with standard_numerics():
+            return window_fn(*args)
+
+    return jaxaccum.audit.audit_window(users_code, tiny_lm_loss, PARAMS, batch, **kwargs)
+
+
+def assert_recovers(report: bigbatch.AuditReport, name: str) -> None:
+    """The verdict is ``name`` and every weight is that form's (``WEIGHT_RTOL``)."""
+    assert report.verdict == name, report
+    weights = bigbatch.form_weights(name, report.items, k=report.k)
+    np.testing.assert_allclose(report.weights, weights, rtol=WEIGHT_RTOL)
+    assert report.residual <= RESIDUAL_MAX, report  # a reweighting, to float32 rounding
+
+
+def sgd_step(params, grads, optimizer):
+    """One update of the optimizer the audit hands over (``optax.sgd(learning_rate)``)."""
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
+    return optax.apply_updates(params, updates)
+
+
+def tree_sum(trees):
+    return jax.tree.map(lambda *leaves: sum(leaves), *trees)
+
+
+def mean_loss(params, batch):
+    """What most loops differentiate: the micro-batch's token mean."""
+    loss_sum, num_items = tiny_lm_loss(params, batch)
+    return loss_sum / num_items
+
+
+# ---- one device ---------------------------------------------------------------------------------
+
+
+def nanogpt_window(params, microbatches, optimizer):
+    """nanoGPT: ``loss = loss / gradient_accumulation_steps``, backward per micro-batch."""
+    k = len(microbatches)
+    grads = [jax.grad(lambda p, mb=mb: mean_loss(p, mb) / k)(params) for mb in microbatches]
+    return sgd_step(params, tree_sum(grads), optimizer)
+
+
+def missing_1_over_k_window(params, microbatches, optimizer):
+    """A custom ``compute_loss`` (TRL DAPO/GRPO) that forgets the 1/k."""
+    grads = [jax.grad(mean_loss)(params, mb) for mb in microbatches]
+    return sgd_step(params, tree_sum(grads), optimizer)
+
+
+def optax_multisteps_window(params, microbatches, optimizer):
+    """``optax.MultiSteps`` for k micro-batches, fed each micro-batch's mean-loss gradient."""
+    tx = optax.MultiSteps(optimizer, every_k_schedule=K)
+    state = tx.init(params)
+    for mb in microbatches:
+        updates, state = tx.update(jax.grad(mean_loss)(params, mb), state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+def jaxaccum_window(mode: str, num_devices: int = 1, k: int = K):
+    """jaxaccum's micro-step (``testkit.data_parallel``: the README and data-parallel recipes)."""
+
+    def window_fn(params, microbatches, optimizer):
+        tx_fn = lambda axis_name: jaxaccum.multi_steps(optimizer, k, axis_name=axis_name)
+        loop = data_parallel(tx_fn, tiny_lm_loss, mode, num_devices)
+        params, state = loop.init(params)
+        for i, mb in enumerate(microbatches):
+            per_device = jax.tree.map(lambda x: x.reshape((num_devices, -1) + x.shape[1:]), mb)
+            short_tail = len(microbatches) < k and i == len(microbatches) - 1
+            kwargs = {"end_window": True} if short_tail else {}  # close a short window now
+            params, state = loop.step(params, state, per_device, **kwargs)
+        return loop.one(params)
+
+    return window_fn
+
+
+def test_hand_checked_two_microbatches_of_3_and_1_tokens():
+    # N = 4. The mean of means weighs a token of the 1-token micro-batch 1/(2*1) = 2/N and
+    # one of the 3-token micro-batch 1/(2*3) = (2/3)/N; the layout puts the short one first.
+    report = audit(nanogpt_window, rows([3, 1]), k=2)
+    np.testing.assert_array_equal(report.items, [[1.0, 3.0]])
+    np.testing.assert_allclose(report.weights, [[2.0, 2.0 / 3.0]], rtol=WEIGHT_RTOL)
+    assert report.verdict == "mean_of_means" and not report.passed
+    assert abs(report.scale - 1.0) <= WEIGHT_RTOL  # (1 * 2 + 3 * 2/3) / 4 = 1
+    assert abs(report.max_weight_error - 1.0) <= WEIGHT_RTOL  # the 1-token cell: 2x, off by 1
+    # a missing 1/k would weigh N/n_c = 4 and 4/3: both cells are off by half of that
+    assert abs(report.form_errors["missing_1_over_k"] - 0.5) <= WEIGHT_RTOL
+    assert "an item of micro-batch 0 at 2.00x the big batch" in str(report), report
+    assert "| 0 | 0 | 1 | 2.00x | 1.00x | 2.00x |" in report.to_markdown()
+    assert len(repr(report)) <= 240  # what pytest shows of `assert report.passed, report`
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "window_fn, name",
+    [
+        (nanogpt_window, "mean_of_means"),
+        (optax_multisteps_window, "mean_of_means"),
+        (missing_1_over_k_window, "missing_1_over_k"),
+    ],
+    ids=["nanogpt", "optax_multisteps", "missing_1_over_k"],
+)
+def test_one_device_bugs_are_recovered(window_fn, name):
+    report = audit(window_fn, k=K)
+    assert_recovers(report, name)
+    # the layout makes the micro-batches differ strongly
+    np.testing.assert_array_equal(report.items, [[6.0, 15.0, 30.0, 43.0]])
+
+
+def test_jaxaccum_on_one_device_is_the_big_batch():
+    report = audit(jaxaccum_window("one_device"), SKEWED, k=K)
+    assert report.passed, report
+    assert_recovers(report, "exact")
+    # micro-batch 0 holds the four rows without a token: left out of the fit
+    assert report.empty_cells == [(0, 0)] and np.isnan(report.weights[0, 0])
+    # float32: the update is the big batch's to ~1e-7 relative; 1e-5 leaves 100x room
+    assert report.update_error <= 1e-5
+
+
+def masked_mean_window(params, microbatches, optimizer):
+    """A common port: ``(token_loss * mask).sum() / mask.sum()`` per micro-batch, then / k."""
+
+    def masked_mean(p, mb):
+        logits, labels = tiny_lm_logits(p, mb["tokens"])[:, :-1], mb["labels"][:, 1:]
+        mask = (labels != IGNORE_INDEX).astype(jnp.float32)
+        token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+        return jnp.sum(token_loss * mask) / jnp.sum(mask) / len(microbatches)
+
+    grads = [jax.grad(masked_mean)(params, mb) for mb in microbatches]
+    return sgd_step(params, tree_sum(grads), optimizer)
+
+
+@pytest.mark.slow
+def test_a_mean_of_means_with_an_empty_microbatch():
+    # the layout of SKEWED gives micro-batch 0 no token. causal_lm masks with a select, so
+    # its 0/0 mean has a zero gradient: the audit still names the bug from the other cells
+    report = audit(nanogpt_window, SKEWED, k=K)
+    assert_recovers(report, "mean_of_means")
+    assert report.empty_cells == [(0, 0)]
+    # a mask multiplied in turns the 0/0 into a NaN gradient (inf * 0): reported, not fitted
+    report = audit(masked_mean_window, SKEWED, k=K)
+    assert report.verdict == "unknown" and not report.finite and not report.passed
+    assert np.all(np.isnan(report.weights)) and report.residual == np.inf
+    assert "NaN" in str(report) and "micro-batch 0" in str(report), report
+
+
+# ---- a short tail window ------------------------------------------------------------------------
+
+
+def fixed_divisor_tail_window(params, microbatches, optimizer):
+    """The window's token normalization per micro-batch, then Accelerate's fixed ``/ k``."""
+    n_window = sum(tiny_lm_loss(params, mb)[1] for mb in microbatches)
+    per_microbatch = n_window / len(microbatches)  # right for any window ...
+    grads = [  # ... but the division by the configured k is not
+        jax.grad(lambda p, mb=mb: tiny_lm_loss(p, mb)[0] / per_microbatch / K)(params)
+        for mb in microbatches
+    ]
+    return sgd_step(params, tree_sum(grads), optimizer)
+
+
+@pytest.mark.slow
+def test_fixed_divisor_on_a_short_tail_window():
+    report = audit(fixed_divisor_tail_window, k=K, short_window=True)
+    assert report.k_window == 2 and report.k == K
+    assert_recovers(report, "fixed_divisor_tail")
+    assert abs(report.scale - 0.5) <= WEIGHT_RTOL  # k_tail / k = 2 / 4 of its gradient
+
+
+@pytest.mark.slow
+def test_jaxaccum_end_window_normalizes_a_tail_by_its_own_items():
+    report = audit(jaxaccum_window("one_device"), k=K, short_window=True)
+    assert report.passed, report
+    assert_recovers(report, "exact")
+
+
+@pytest.mark.slow
+def test_optax_multisteps_never_closes_a_short_window():
+    report = audit(optax_multisteps_window, k=K, short_window=True)
+    assert report.verdict == "unknown" and not report.moved
+    np.testing.assert_array_equal(report.weights, np.zeros((1, 2)))  # no update: exactly 0
+    assert "did not change the parameters" in str(report), report
+
+
+# ---- data parallel ------------------------------------------------------------------------------
+
+
+def shard_map_window(per_device_grads, num_devices):
+    """A loop running ``per_device_grads(params, local_microbatches)`` under shard_map."""
+
+    def window_fn(params, microbatches, optimizer):
+        mesh = jax.make_mesh((num_devices,), (AXIS,), devices=jax.devices()[:num_devices])
+        stacked = jax.tree.map(lambda *xs: np.stack(xs), *microbatches)  # [k, rows, ...]
+        stacked = jax.device_put(stacked, NamedSharding(mesh, P(None, AXIS)))  # rows split
+        grads = jax.jit(
+            jax.shard_map(per_device_grads, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=P())
+        )(params, stacked)
+        return sgd_step(params, grads, optimizer)
+
+    return window_fn
+
+
+def local_sums(params, local):
+    """This device's summed loss and items over its micro-batches (``local``: ``[k, p, ...]``)."""
+    values = [tiny_lm_loss(params, jax.tree.map(lambda x, m=m: x[m], local)) for m in range(K)]
+    return sum(v[0] for v in values), sum(v[1] for v in values)
+
+
+def local_denominator_grads(params, local):
+    """Each device divides by its OWN items (0/0 guarded), then the devices are averaged."""
+    n_local = local_sums(params, local)[1]
+    grad = jax.grad(lambda p: local_sums(p, local)[0] / jnp.maximum(n_local, 1.0))
+    return jax.lax.pmean(grad(jax.lax.pcast(params, AXIS, to="varying")), AXIS)
+
+
+def ddp_average_forgotten_grads(params, local):
+    """The summed loss over the GLOBAL items, but the gradients averaged as DDP does."""
+    n_global = jax.lax.psum(local_sums(params, local)[1], AXIS)
+    grad = jax.grad(lambda p: local_sums(p, local)[0] / n_global)
+    return jax.lax.pmean(grad(jax.lax.pcast(params, AXIS, to="varying")), AXIS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "per_device_grads, num_devices, name, scale, device_items",
+    [
+        # the empty device still counts in the average: 3 of 4 quarters remain
+        (local_denominator_grads, 4, "local_denominator", 0.75, [6, 18, 38, 0]),
+        (ddp_average_forgotten_grads, 2, "ddp_average_forgotten", 0.5, [56, 6]),  # 1 / R
+    ],
+    ids=["local_denominator", "ddp_average_forgotten"],
+)
+def test_data_parallel_bugs_under_shard_map(
+    per_device_grads, num_devices, name, scale, device_items
+):
+    window_fn = shard_map_window(per_device_grads, num_devices)
+    report = audit(window_fn, SKEWED, k=K, num_devices=num_devices)
+    assert_recovers(report, name)
+    assert abs(report.scale - scale) <= WEIGHT_RTOL
+    # the layout: the emptiest rows on the last device (all 4 without a token, when 4 rows
+    # fill it), the next on device 0, the fullest in between
+    np.testing.assert_array_equal(report.items.sum(axis=1), device_items)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode, num_devices", [("shard_map", 4), ("jit", 2)], ids=["shard_map_4", "explicit_jit_2"]
+)
+def test_jaxaccum_data_parallel_is_the_big_batch(mode, num_devices):
+    report = audit(jaxaccum_window(mode, num_devices), SKEWED, k=K, num_devices=num_devices)
+    assert report.passed, report
+    assert_recovers(report, "exact")
+    assert report.update_error <= 1e-5  # float32, as on one device
+
+
+# ---- not a reweighting, and a reweighting of no known form --------------------------------------
+
+
+def adam_window(params, microbatches, optimizer):
+    """Ignores the contract: Adam's first step is about ``-lr * sign(g)``, not linear in g."""
+    del optimizer
+    grads = [jax.grad(lambda p, mb=mb: tiny_lm_loss(p, mb)[0])(params) for mb in microbatches]
+    return sgd_step(params, tree_sum(grads), optax.adam(1e-2))
+
+
+CLIP = 0.02  # a micro-batch mean's gradient elements: median ~0.013, 24% to 44% above 0.02
+
+
+def elementwise_clip_window(params, microbatches, optimizer):
+    """Clips every gradient element of each micro-batch (``optax.clip``) before adding."""
+    clip = optax.clip(CLIP)
+    grads = [clip.update(jax.grad(mean_loss)(params, mb), None)[0] for mb in microbatches]
+    return sgd_step(params, tree_sum(grads), optimizer)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window_fn", [adam_window, elementwise_clip_window], ids=["adam", "clip"])
+def test_a_loop_that_is_no_reweighting_is_unknown_with_a_large_residual(window_fn):
+    report = audit(window_fn, k=K)
+    assert report.verdict == "unknown" and not report.passed
+    assert report.residual >= RESIDUAL_MIN, report
+    assert "not a reweighting" in str(report), report
+
+
+NORM = 1.0  # below the norm of every micro-batch's summed-loss gradient here: all four clip
+
+
+def norm_clip_window(params, microbatches, optimizer):
+    """Sums and one division, but each micro-batch's summed-loss gradient clipped by its norm."""
+    n_window = sum(tiny_lm_loss(params, mb)[1] for mb in microbatches)
+    clip = optax.clip_by_global_norm(NORM)
+    grads = [
+        clip.update(jax.grad(lambda p, mb=mb: tiny_lm_loss(p, mb)[0])(params), None)[0]
+        for mb in microbatches
+    ]
+    return sgd_step(params, jax.tree.map(lambda g: g / n_window, tree_sum(grads)), optimizer)
+
+
+@pytest.mark.slow
+def test_clipping_each_microbatch_by_its_norm_is_a_reweighting_of_no_known_form():
+    # clip(G_m) = min(1, c / |G_m|) G_m: each micro-batch reweighted by its coefficient
+    report = audit(norm_clip_window, k=K)
+    assert report.verdict == "unknown" and report.residual <= RESIDUAL_MAX, report
+    layout = bigbatch.layout_rows(np.array(FULL_TOKENS, float), k=K, num_devices=1)
+    cell_grad = lambda ids: jax.grad(
+        lambda p: tiny_lm_loss(p, {n: v[ids] for n, v in FULL.items()})[0]
+    )
+    norms = np.array([float(optax.tree.norm(cell_grad(ids)(PARAMS))) for ids in layout.rows[0]])
+    coefficients = np.minimum(1.0, NORM / norms)
+    assert np.all(coefficients < 0.9)  # the clip bites (else this test would prove nothing)
+    np.testing.assert_allclose(report.weights[0], coefficients, rtol=WEIGHT_RTOL)
+    assert "no known form" in str(report), report
+
+
+# ---- arguments ----------------------------------------------------------------------------------
+
+
+def mean_loss_fn(params, batch):
+    """A mean and 1 "item" per batch: what the audit must refuse as a reference loss."""
+    loss_sum, num_items = tiny_lm_loss(params, batch)
+    return loss_sum / num_items, num_items / num_items
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(k=0), "k: expected a positive int"),
+        (dict(k=1), "k: a window of k=1"),
+        (dict(num_devices=2.0), "num_devices: expected a positive int"),
+        (dict(learning_rate=-1.0), "learning_rate: expected a finite number > 0"),
+        (dict(learning_rate=1e-9), "learning_rate: the big-batch update"),
+        (dict(short_window=1), "short_window: expected a bool"),
+        (dict(window_fn=None), "window_fn: expected a function"),
+        (
+            dict(batch={"tokens": np.zeros((4, 3)), "labels": np.zeros((5, 3))}),
+            "same number of rows",
+        ),
+        (dict(batch=rows([1, 2, 3])), "batch: expected at least 4 rows"),
+        (dict(batch=rows([5] * 8)), "batch: its rows are too alike"),
+        (dict(batch=rows([0] * 8)), "batch: no row has an item"),
+        (dict(loss_fn=mean_loss_fn), "loss_fn: expected a summed loss"),
+        (dict(loss_fn=lambda p, b: tiny_lm_loss(p, b)[0]), r"loss_fn: expected \(loss_sum"),
+        (dict(params={"w": np.zeros(3, np.int32)}), "params: expected float arrays"),
+        (dict(window_fn=lambda p, mbs, opt: p["embed"]), "window_fn: expected new parameters"),
+    ],
+)
+def test_bad_arguments_are_refused_with_their_name(change, match):
+    kwargs = dict(window_fn=nanogpt_window, loss_fn=tiny_lm_loss, params=PARAMS, batch=FULL, k=K)
+    kwargs.update(change)
+    with pytest.raises(ValueError, match=match):
+        jaxaccum.audit.audit_window(**kwargs)

@@ -1,0 +1,112 @@
+"""The standard launcher (torchrun) gives what the in-process launcher gives; the file format.
+
+``python -m torch.distributed.run`` (torchrun) starts 2 gloo ranks on
+127.0.0.1 in its own process group of the OS (``start_new_session``), bounded
+by a timeout after which the whole group is killed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from torch_ref import (
+    AdamW,
+    Scenario,
+    TinyGPT,
+    WarmupCosine,
+    ddp,
+    export_state_dict,
+    load_result,
+    load_scenario,
+    run_scenario,
+    save_result,
+    save_scenario,
+    split_window,
+)
+from torch_ref._launch import main
+from torch_ref.testing import CONFIG, skewed_batch
+
+WEIGHTS = export_state_dict(TinyGPT(CONFIG, seed=0))
+TORCHRUN_TIMEOUT_S = 240  # start-up (~10 s of CPU per rank on 2 cores) plus 2 tiny windows
+
+
+def _scenario(world_size: int, **kw) -> Scenario:
+    windows = [split_window(*skewed_batch(seed), world_size, 2) for seed in range(2)]
+    return Scenario(
+        config=CONFIG, weights=WEIGHTS, windows=windows, optimizer=AdamW(lr=1e-3, weight_decay=0.1),
+        schedule=WarmupCosine(1, 4, init_value=1e-4), max_grad_norm=1.0, record_grads=True, **kw,
+    )  # fmt: skip
+
+
+def _max_param_gap(a, b) -> float:
+    return max(float(np.abs(x[n] - y[n]).max()) for x, y in zip(a, b, strict=True) for n in x)
+
+
+def _torchrun(args: list[str]) -> str:
+    """Runs torchrun with ``args``; its output. Kills its whole process group on a timeout."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
+    cmd += ["--master_addr=127.0.0.1", f"--master_port={ddp.free_port()}", "-m", "torch_ref"]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        cmd + args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: our own session only
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun did not finish within {TORCHRUN_TIMEOUT_S} s:\n{out}")
+    assert proc.returncode == 0, out
+    return out
+
+
+@pytest.mark.slow  # torchrun and 2 ranks: ~15 s on 2 cores
+def test_torchrun_gives_the_in_process_records_and_parameters(tmp_path):
+    scenario = _scenario(2, count_comm=True)
+    save_scenario(tmp_path / "scenario.npz", scenario)
+    _torchrun([str(tmp_path / "scenario.npz"), str(tmp_path / "result.npz")])
+    via_torchrun = load_result(tmp_path / "result.npz")
+    in_process = run_scenario(scenario)
+    # The same function on the same 2 gloo ranks, one intra-op thread each: the same
+    # operations in the same order, so every number is bitwise equal (tolerance 0).
+    assert via_torchrun.rank_records == in_process.rank_records
+    assert via_torchrun.records == in_process.records
+    assert _max_param_gap(via_torchrun.params, in_process.params) == 0.0
+    assert _max_param_gap(via_torchrun.grads, in_process.grads) == 0.0
+    assert (
+        via_torchrun.comm
+        == in_process.comm
+        == [{"synced_backwards": 1, "allreduce_buckets": 1}] * 2
+    )
+    assert [r["update_id"] for r in via_torchrun.records] == [1, 2]  # both windows applied
+
+
+def test_files_round_trip_without_a_process_group(tmp_path):
+    """World size 1: ``python -m torch_ref`` runs in the calling process; NaN survives the file."""
+    scenario = _scenario(1, grad_scaler=True, bug="mean_of_means", empty_window="skip",
+                         inf_microbatches=frozenset({(1, 0, 1)}))  # fmt: skip
+    save_scenario(tmp_path / "scenario.npz", scenario)
+    loaded = load_scenario(tmp_path / "scenario.npz")
+    assert [loaded.optimizer, loaded.schedule, loaded.inf_microbatches, loaded.bug] == [
+        scenario.optimizer, scenario.schedule, scenario.inf_microbatches, scenario.bug,
+    ]  # fmt: skip
+    for u, window in enumerate(scenario.windows):  # int64 ids and labels, exactly
+        for key in ("input_ids", "labels"):
+            assert np.array_equal(loaded.windows[u][0][1][key], window[0][1][key])
+    assert main([str(tmp_path / "scenario.npz"), str(tmp_path / "result.npz")]) == 0
+    result, direct = load_result(tmp_path / "result.npz"), run_scenario(scenario)
+    assert [r["skipped"] for r in result.records] == [False, True]  # the injected inf
+    assert math.isnan(result.records[1]["loss"])  # written as JSON NaN, read back as NaN
+    # the same run in this process twice: bitwise equal (NaN compared as NaN)
+    np.testing.assert_equal(result.records, direct.records)
+    assert _max_param_gap(result.params, direct.params) == 0.0
+    save_result(tmp_path / "again.npz", result)
+    np.testing.assert_equal(load_result(tmp_path / "again.npz").grads, result.grads)

@@ -1,0 +1,123 @@
+"""The bugs of `torch_ref.buggy`, one process: each changes the update as its entry says.
+
+Gradients and deviations as in `torch_ref.testing`; the DDP bugs (local
+denominator, forgotten DDP average, no_sync around backward only) are in
+``ddp_test.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from tinygpt.torch_gpt import TinyGPT
+from torch_ref import testing, train, train_update
+from torch_ref.buggy import REFERENCE, VARIANTS, Variant, variant
+from torch_ref.testing import CONFIG, LAYOUT_RTOL, microbatches, rel_l2, skewed_batch, window_grad
+
+
+def test_mean_of_means_deviates_on_skewed_lengths_and_logs_the_mean_of_means():
+    ids, labels = skewed_batch(10)
+    window = microbatches(ids, labels, 4)
+    _, g = window_grad(window)
+    rec_b, g_b = window_grad(window, variant=VARIANTS["mean_of_means"])
+    # Micro-batch items 49, 0, 31, 60: weights per token 1/(4*49), 1/(4*31),
+    # 1/(4*60) instead of 1/140, and the empty micro-batch still takes a 1/4 share.
+    assert rel_l2(g_b, g) >= 0.1  # >= 1e4 x LAYOUT_RTOL
+    # Its logged loss is the mean of the 4 micro-batch means (the empty one counts as 0),
+    # computed here by torch's own mean cross entropy.
+    model = TinyGPT(CONFIG, seed=0)
+    means = []
+    for mb in window:
+        logits, target = model(mb["input_ids"])[:, :-1], mb["labels"][:, 1:]
+        if (target != -100).any():
+            means.append(F.cross_entropy(logits.reshape(-1, 256), target.reshape(-1)).item())
+    assert abs(rec_b["loss"] - sum(means) / 4) <= 1e-6 * rec_b["loss"]  # float32 rounding
+
+
+def test_missing_1_over_k_is_exactly_k_times():
+    ids, labels = skewed_batch(11)
+    k = 4
+    rec_m, g_m = window_grad(microbatches(ids, labels, k), variant=VARIANTS["mean_of_means"])
+    rec_x, g_x = window_grad(microbatches(ids, labels, k), variant=VARIANTS["missing_1_over_k"])
+    assert rel_l2(g_x, k * g_m) <= 1e-6  # the 1/k is the only difference: rounding only
+    assert abs(rec_x["loss"] - k * rec_m["loss"]) <= 1e-6 * rec_x["loss"]
+    # With equal items per micro-batch, that is k x the correct gradient (DAPO: 0.42 -> 1.68).
+    eq = microbatches(*skewed_batch(12, valid=(10, 20, 15, 15, 5, 25, 12, 18)), k)
+    rec, g = window_grad(eq)
+    rec_e, g_e = window_grad(eq, variant=VARIANTS["missing_1_over_k"])
+    assert rel_l2(g_e, k * g) <= LAYOUT_RTOL
+    assert abs(rec_e["loss"] / rec["loss"] - k) <= 1e-5  # float32 means vs one sum
+
+
+def test_clip_per_microbatch_is_the_sum_of_clipped_microbatch_gradients():
+    ids, labels = skewed_batch(13)
+    window = microbatches(ids, labels, 4)
+    rec, g = window_grad(window)
+    max_norm = rec["grad_norm"] / 2
+    _, g_c = window_grad(window, max_grad_norm=max_norm)
+    _, g_b = window_grad(window, max_grad_norm=max_norm, variant=VARIANTS["clip_per_microbatch"])
+    assert rel_l2(g_b, g_c) >= 0.05  # direction and size both change
+    # The oracle: each micro-batch's share of the window gradient, grad(loss_sum_m / N),
+    # clipped alone by torch.nn.utils.clip_grad_norm_, then added.
+    total = torch.zeros_like(g)
+    for mb in window:
+        model = TinyGPT(CONFIG, seed=0)
+        logits, target = model(mb["input_ids"])[:, :-1], mb["labels"][:, 1:]
+        loss_sum = F.cross_entropy(
+            logits.reshape(-1, 256), target.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        (loss_sum / rec["window_items"]).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        total += testing.flat_grad(model)
+    assert rel_l2(g_b, total) <= LAYOUT_RTOL  # float32: the same sums in another order
+
+
+def test_fixed_divisor_tail_halves_a_half_length_tail():
+    """5 micro-batches, k=2: windows (2, 2, 1); Accelerate's divisor gives the tail 1/2."""
+    mbs = microbatches(*skewed_batch(6, valid=(5, 40, 3, 12, 30), seq_len=48), 5)
+    bug = "fixed_divisor_tail"
+    recs, recs_b = [
+        train(model, mbs, torch.optim.SGD(model.parameters(), lr=0.0), k=2, variant=v)
+        for model, v in [(TinyGPT(CONFIG), REFERENCE), (TinyGPT(CONFIG), VARIANTS[bug])]
+    ]
+    assert abs(recs_b[2]["grad_norm"] / recs[2]["grad_norm"] - 0.5) <= 1e-6  # float32 rounding
+    for u in (0, 1):  # full windows are right: the same ops up to float32 rounding
+        assert abs(recs_b[u]["grad_norm"] / recs[u]["grad_norm"] - 1) <= 1e-6
+
+
+def test_scheduler_per_microbatch_runs_k_times_too_fast():
+    ids, labels = skewed_batch(14)
+    lrs = {}
+    for v in (REFERENCE, VARIANTS["scheduler_per_microbatch"]):
+        model = TinyGPT(CONFIG)
+        opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (t + 1))
+        recs = train(model, microbatches(ids, labels, 8), opt, k=4, scheduler=sched, variant=v)
+        lrs[v.name] = [r["learning_rate"] for r in recs] + [opt.param_groups[0]["lr"]]
+    # exact: 1/(t+1) in float64, the same division on both sides
+    assert lrs["reference"] == [1.0, 1 / 2, 1 / 3]  # updates 0, 1, then the next LR
+    assert lrs["scheduler_per_microbatch"] == [1 / 5, 1 / 9, 1 / 9]  # 4 micro-steps per update
+
+
+def test_only_no_sync_backward_only_keeps_the_numbers():
+    # The parity suite judges this one by its all-reduce count, every other bug by its numbers.
+    assert [n for n, v in VARIANTS.items() if v.communication_only] == ["no_sync_backward_only"]
+    assert REFERENCE.communication_only is False
+
+
+def test_bad_variants_and_their_missing_settings_are_refused():
+    window = microbatches(*skewed_batch(15), 1)
+    model = TinyGPT(CONFIG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="bug: expected None or one of"):
+        variant("typo")
+    with pytest.raises(ValueError, match="Variant.clip: expected one of"):
+        Variant(clip="sometimes")
+    with pytest.raises(ValueError, match="variant: expected a torch_ref.buggy.Variant"):
+        train_update(model, window, opt, variant="mean_of_means")
+    with pytest.raises(ValueError, match="nominal_k"):
+        train_update(model, window, opt, variant=VARIANTS["fixed_divisor_tail"])
+    with pytest.raises(ValueError, match="needs max_grad_norm and no scaler"):
+        train_update(model, window, opt, variant=VARIANTS["clip_per_microbatch"])
