@@ -26,6 +26,9 @@ collect_ignore_glob = ["examples/[0-9][0-9]_*.py", "examples/_common.py", "examp
 # import error: their __init__ imports torch, so a module-level importorskip cannot run.
 NEEDS_TORCH = {"torch_ref"}
 NO_TORCH = "needs torch: no CPU build for this Python here (make test-latest runs without it)"
+# Modules with torch at import time outside those packages (test modules importorskip it).
+if importlib.util.find_spec("torch") is None:
+    collect_ignore_glob += ["parity_tests/audits.py"]
 
 
 class _SkippedPackage(pytest.Directory):

@@ -4,13 +4,14 @@ Run ``python -m benchmarks --out docs/benchmarks.md`` (``make bench``); see
 ``benchmarks/__main__.py`` for the options. One module per section:
 
 1. ``micro_step``   per-micro-step and per-window cost vs ``optax.MultiSteps``,
-                    donated or not, HLO copies
+                    donated or not, HLO copies (``_copy_analysis``)
 2. ``scan``         ``accumulate_gradients`` over k vs one big-batch step
-3. ``comm``         all-reduces per window (pmap, shard_map, torch DDP)
+3. ``comm``         all-reduces per window (pmap, shard_map, jit, torch DDP;
+                    the programs: ``_comm_programs``)
 4. ``state``        optimizer-state bytes
 5. ``jax_vs_torch`` tokens per second, jaxaccum vs torch_ref
 6. ``gpu``          accumulation overhead on one GPU (``--device cuda``)
 
-Importing this package runs no JAX operation (the entry point first fakes 8
-CPU devices).
+Compiled programs are read by ``testkit.hlo``. Importing this package runs
+no JAX operation (the entry point first fakes 8 CPU devices).
 """

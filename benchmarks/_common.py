@@ -1,4 +1,6 @@
-"""Shared pieces of the benchmarks: interleaved timing, HLO reading, tables.
+"""Shared pieces of the benchmarks: interleaved timing, sizes, tables.
+
+Compiled HLO is read by ``testkit.hlo``, the project's one reader.
 
 Timing discipline: every compared variant is compiled and run once (warm-up)
 before any measurement; then the variants run in interleaved rounds (A, B, C,
@@ -12,7 +14,6 @@ the median over rounds of the per-round ratio (:func:`paired_ratio`).
 from __future__ import annotations
 
 import dataclasses
-import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -94,174 +95,6 @@ def tree_bytes(tree: Any) -> int:
 
 def param_count(tree: Any) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
-
-
-# ----------------------------------------------------------------------------
-# Reading compiled HLO.
-
-_DTYPE_BYTES = {
-    "pred": 1,
-    "s8": 1,
-    "u8": 1,
-    "s16": 2,
-    "u16": 2,
-    "f16": 2,
-    "bf16": 2,
-    "s32": 4,
-    "u32": 4,
-    "f32": 4,
-    "s64": 8,
-    "u64": 8,
-    "f64": 8,
-}
-_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
-
-
-def shape_bytes(text: str) -> int:
-    """Bytes of every array shape (``f32[8,16]``) written in ``text``."""
-    total = 0
-    for dtype, dims in _SHAPE.findall(text):
-        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-        total += n * _DTYPE_BYTES.get(dtype, 4)
-    return total
-
-
-def computations(hlo_text: str) -> dict[str, list[str]]:
-    """``{computation name: its instruction lines}``; the entry is under ``'ENTRY'``."""
-    out: dict[str, list[str]] = {}
-    current = None
-    for line in hlo_text.splitlines():
-        if line and not line[0].isspace() and line.rstrip().endswith("{"):
-            current = (
-                "ENTRY" if line.startswith("ENTRY") else line.split("(")[0].strip().lstrip("%")
-            )
-            out[current] = []
-        elif current is not None and line.strip() not in ("", "}"):
-            out[current].append(line)
-    return out
-
-
-def control_flow(hlo_text: str) -> dict[str, str]:
-    """Role of each control-flow computation: ``'while_body'``, ``'branch_small'``
-    or ``'branch_large'`` (the conditional's branch with fewer / more instructions).
-
-    Fusion and reduction computations are not listed: their instructions are
-    parts of a fused kernel, not separate operations.
-    """
-    comps = computations(hlo_text)
-    roles: dict[str, str] = {}
-    for lines in comps.values():
-        for line in lines:
-            body = re.search(r"\bwhile\(.*body=%?([\w.\-]+)", line)
-            if body:
-                roles[body.group(1)] = "while_body"
-            names = []
-            found = re.search(r"branch_computations=\{([^}]*)\}", line)
-            if found:
-                names = [n.strip().lstrip("%") for n in found.group(1).split(",")]
-            found = re.search(
-                r"true_computation=%?([\w.\-]+), false_computation=%?([\w.\-]+)", line
-            )
-            if found:
-                names = list(found.groups())
-            if names:
-                sizes = sorted(names, key=lambda n: len(comps.get(n, [])))
-                roles[sizes[0]] = "branch_small"
-                for n in sizes[1:]:
-                    roles[n] = "branch_large"
-    return roles
-
-
-def _is_copy_of(line: str, shapes: set[str]) -> int:
-    """Bytes of a ``copy`` instruction whose result is one of ``shapes`` (else 0)."""
-    found = re.search(r"= ((?:pred|[suf]\d+|bf16)\[[\d,]*\])\{[^}]*\} copy\(", line)
-    if not found or found.group(1) not in shapes:
-        return 0
-    return shape_bytes(found.group(1))
-
-
-def hlo_shape(x: Any) -> str:
-    """The HLO spelling of an array's type, e.g. ``f32[64,256]``."""
-    name = {
-        "float32": "f32",
-        "bfloat16": "bf16",
-        "float16": "f16",
-        "float64": "f64",
-        "int32": "s32",
-    }.get(np.dtype(x.dtype).name, np.dtype(x.dtype).name)
-    return f"{name}[{','.join(str(d) for d in x.shape)}]"
-
-
-def copy_placement(hlo_text: str, like: Any) -> dict[str, dict[str, int]]:
-    """Where a compiled program copies arrays shaped like the leaves of ``like``.
-
-    Counts ``copy`` instructions (separate memcpy-like operations, outside fused
-    kernels) whose result has the shape and dtype of a leaf of ``like`` (e.g. the
-    parameters; scalars are ignored), by the computation they sit in.
-
-    Returns:
-      ``{role: {'copies': n, 'bytes': b}}`` for roles ``'entry'`` (runs on every
-      call), ``'while_body'``, ``'branch_small'`` and ``'branch_large'``.
-    """
-    shapes = {hlo_shape(x) for x in jax.tree.leaves(like) if x.shape}
-    roles = control_flow(hlo_text)
-    out = {
-        r: {"copies": 0, "bytes": 0}
-        for r in ("entry", "while_body", "branch_small", "branch_large")
-    }
-    for name, lines in computations(hlo_text).items():
-        role = "entry" if name == "ENTRY" else roles.get(name)
-        if role is None:
-            continue
-        for line in lines:
-            b = _is_copy_of(line, shapes)
-            if b:
-                out[role]["copies"] += 1
-                out[role]["bytes"] += b
-    return out
-
-
-def all_reduces(hlo_text: str) -> dict[str, dict[str, int]]:
-    """All-reduce instructions of a compiled program and their bytes, by role.
-
-    Same roles as :func:`copy_placement`. The bytes are those of the reduced
-    result (one all-reduce may carry a tuple of arrays).
-    """
-    roles = control_flow(hlo_text)
-    out = {
-        r: {"count": 0, "bytes": 0} for r in ("entry", "while_body", "branch_small", "branch_large")
-    }
-    for name, lines in computations(hlo_text).items():
-        role = "entry" if name == "ENTRY" else roles.get(name)
-        if role is None:
-            continue
-        for line in lines:
-            found = re.search(r"= (.*?) all-reduce(?:-start)?\(", line)
-            if found:
-                out[role]["count"] += 1
-                out[role]["bytes"] += shape_bytes(found.group(1))
-    return out
-
-
-def on_paths(
-    placement: dict[str, dict[str, int]], field: str, accumulating: bool
-) -> tuple[int, int]:
-    """``(on a micro-step's path, on the boundary's path)`` of a placement.
-
-    jaxaccum (``accumulating``): a call between boundaries runs the entry
-    computation (and a ``cond`` boundary's small, pass-through branch); the call
-    that closes the window also runs the loop body once (or the ``cond``'s
-    large branch). optax.MultiSteps: every call runs the entry and the large
-    branch of its ``should_skip`` conditional (never skipping here).
-    """
-    get = lambda role: placement[role][field]
-    if accumulating:
-        return (
-            get("entry") + get("branch_small"),
-            get("entry") + get("branch_large") + get("while_body"),
-        )
-    every = get("entry") + get("branch_large")
-    return every, every
 
 
 # ----------------------------------------------------------------------------

@@ -93,13 +93,21 @@ def run(
         for b in batches
     ]
 
+    progress, last = torch_ref.Progress(), {}  # the run's counters; the last window's record
+
     def torch_window():
         with torch_ref.one_cpu_thread():
-            torch_ref.train_update(net, micro, opt)
+            last["torch"] = torch_ref.train_update(net, micro, opt, progress=progress)
             if torch_device.type == "cuda":
                 torch.cuda.synchronize()
 
     t = _common.interleaved({"jax": jax_window, "torch": torch_window}, rounds)
+    # both trained the same weights on the same windows: their last window's record
+    record = live["state"].last_window
+    trained = {
+        "jax": {"update_id": int(record.update_id), "loss": float(record.loss)},
+        "torch": {"update_id": last["torch"]["update_id"], "loss": float(last["torch"]["loss"])},
+    }
     res = {
         name: {
             "wall": t[name].wall,
@@ -151,5 +159,5 @@ def run(
         "5. JAX vs PyTorch: tokens per second",
         body,
         summary,
-        {"results": res, "ratio": ratio, "ratio_cpu": ratio_cpu},
+        {"results": res, "ratio": ratio, "ratio_cpu": ratio_cpu, "trained": trained},
     )

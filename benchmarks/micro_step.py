@@ -23,10 +23,12 @@ import jax
 import optax
 
 import jaxaccum
-from benchmarks import _common
-from benchmarks._common import Section, copy_placement, ms, on_paths, table, tree_bytes
+from benchmarks import _common, _copy_analysis
+from benchmarks._common import Section, ms, table, tree_bytes
 from benchmarks._models import Model, copy_tree, mean_loss
+from testkit import standard
 
+BASELINE = "optax.MultiSteps"
 INNERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "adamw": lambda: optax.adamw(1e-4, weight_decay=0.01),
     # heavier: AdamW moments plus a per-leaf trust ratio (two norms per leaf)
@@ -63,8 +65,9 @@ class Variant:
 def build(model: Model, label: str, inner: str, donate: bool, k: int, rows: int) -> Variant:
     """Compiles one variant's train step (ahead of time) and its initial state."""
     tx_inner = INNERS[inner]()
-    if label == "optax.MultiSteps":
-        tx = optax.MultiSteps(tx_inner, every_k_schedule=k)
+    if label == BASELINE:
+        # optax's code, run under JAX's standard promotion (tests are strict for ours)
+        tx = standard(optax.MultiSteps(tx_inner, every_k_schedule=k))
         grad_fn = jax.grad(mean_loss(model.loss_fn))
 
         def step(params, state, batch):
@@ -88,28 +91,13 @@ def build(model: Model, label: str, inner: str, donate: bool, k: int, rows: int)
     return Variant(label, donate, inner, compiled, params, state, batches, compiled.as_text())
 
 
-def copies(v: Variant, params: Any, k: int) -> dict[str, float]:
-    """Parameter-shaped copies on a micro-step's path, at the boundary, per window."""
-    place = copy_placement(v.hlo, params)
-    accumulating = v.label != "optax.MultiSteps"
-    n_between, n_boundary = on_paths(place, "copies", accumulating)
-    between, boundary = on_paths(place, "bytes", accumulating)
-    return {
-        "between_copies": n_between,
-        "between_bytes": between,
-        "boundary_copies": n_boundary,
-        "boundary_bytes": boundary,
-        "window_bytes": (k - 1) * between + boundary,
-    }
-
-
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One comparison: a model, an inner optimizer, the variants, the micro-batch rows."""
 
     model: Model
     inner: str = "adamw"
-    labels: tuple[str, ...] = ("jaxaccum", "optax.MultiSteps")
+    labels: tuple[str, ...] = ("jaxaccum", BASELINE)
     rows: int = 8
     donation: tuple[bool, ...] = (True, False)
 
@@ -152,7 +140,9 @@ def run(cases: list[Case], *, k: int = 4, rounds: int = 5) -> Section:
                             jax.eval_shape(INNERS[case.inner]().init, case.model.params)
                         ),
                         "windows": windows,
-                        **copies(v, case.model.params, k),
+                        **_copy_analysis.copies(
+                            v.hlo, case.model.params, k, accumulating=v.label != BASELINE
+                        ),
                     }
                 )
             del variants
@@ -160,8 +150,7 @@ def run(cases: list[Case], *, k: int = 4, rounds: int = 5) -> Section:
         base = next(
             b
             for b in results
-            if b["label"] == "optax.MultiSteps"
-            and all(b[f] == r[f] for f in ("model", "inner", "donate"))
+            if b["label"] == BASELINE and all(b[f] == r[f] for f in ("model", "inner", "donate"))
         )
         for i, clock in enumerate(("wall", "cpu")):
             ours, theirs = [w[i] for w in r["windows"]], [w[i] for w in base["windows"]]
@@ -217,7 +206,7 @@ def _section(results: list[dict], k: int) -> Section:
             rows,
         ),
     ]
-    analysis, quoted = _analysis(results, k)
+    analysis, quoted = _copy_analysis.analysis(results, k)
     body += ["", _optimizer_share(results), "", analysis]
     summary = []
     for r in results:
@@ -254,132 +243,3 @@ def _optimizer_share(results: list[dict]) -> str:
         "inner optimizer's work, which optax.MultiSteps does on every call; the smaller, the "
         "more the ratios above measure the wrappers' fixed per-call costs."
     )
-
-
-# Per-window copies (MLP 10 x 1000x1000, AdamW, k = 4; units of P) of jaxaccum 0.1, measured by
-# this benchmark on 2026-11-30 (docs/benchmarks.md of that day), before the boundary's inner
-# update got its own loop and before the `lax.cond` variant was removed.
-HISTORY_MODEL, HISTORY_K, HISTORY_DATE = "MLP (10 x 1000x1000, 10.00M params)", 4, "2026-11-30"
-HISTORY_0_1 = {
-    "jaxaccum 0.1 (one while loop, select over the inner state)": ("7.6 P", "15.6 P", 0.81, 1.55),
-    "jaxaccum 0.1, lax.cond boundary (removed)": ("20.6 P", "12.6 P", 1.48, 1.22),
-}
-
-
-def _analysis(results: list[dict], k: int) -> tuple[str, list[str]]:
-    """The copy analysis, with this run's counts (largest model, AdamW).
-
-    Returns the markdown and the figures it quotes from other runs (for the report's header).
-    """
-    model = max((r for r in results if r["inner"] == "adamw"), key=lambda r: r["param_bytes"])[
-        "model"
-    ]
-    pick = {
-        (r["label"], r["donate"]): r
-        for r in results
-        if r["model"] == model and r["inner"] == "adamw"
-    }
-    if not all(
-        (label, d) in pick for label in ("jaxaccum", "optax.MultiSteps") for d in (True, False)
-    ):
-        return "", []
-    in_p = lambda r, where: r[where + "_bytes"] / r["param_bytes"]
-    cell = lambda r, where: f"{r[where + '_copies']} ({in_p(r, where):.1f} P)"
-    window = lambda r: f"{r['window_bytes'] / r['param_bytes']:.1f} P"
-    rows = [
-        [label]
-        + [
-            x
-            for d in (True, False)
-            for x in (
-                cell(pick[(label, d)], "between"),
-                cell(pick[(label, d)], "boundary"),
-                window(pick[(label, d)]),
-            )
-        ]
-        for label in ("jaxaccum", "optax.MultiSteps")
-    ]
-    ours, ours_nd = pick[("jaxaccum", True)], pick[("jaxaccum", False)]
-    theirs, theirs_nd = pick[("optax.MultiSteps", True)], pick[("optax.MultiSteps", False)]
-    inner_p = ours["inner_bytes"] / ours["param_bytes"]  # the inner AdamW state, in P
-    same_size = lambda r, where: abs(in_p(r, where) - inner_p) < 0.05  # to the table's 0.1 P
-
-    if ours["between_copies"] == 0:
-        donated = (
-            "between boundaries the loop makes zero trips and its program has no parameter-shaped "
-            f"copy on a micro-step's path ({cell(ours, 'between')}): the inner state and the "
-            "window sums stay in the donated buffers"
-        )
-    else:
-        donated = (
-            f"between boundaries the loop makes zero trips; a micro-step's path still has "
-            f"{cell(ours, 'between')} parameter-shaped copies"
-        )
-    not_donated = f"jaxaccum's program has {cell(ours_nd, 'between')} on a micro-step's path" + (
-        f", the size of its inner AdamW state ({inner_p:.1f} P): a state leaf returned "
-        "unchanged without donation must be copied into a distinct output buffer"
-        if same_size(ours_nd, "between")
-        else f" (its inner AdamW state is {inner_p:.1f} P)"
-    )
-    lines = [
-        f"**Why, from the compiled HLO** ({model}, AdamW; parameter-shaped `copy` instructions "
-        "on each path, bytes in units of P = the parameters' bytes; per window = (k - 1) "
-        "micro-steps + the boundary):",
-        "",
-        table(
-            [
-                "variant",
-                "donated: micro-step",
-                "donated: boundary",
-                "donated: per window",
-                "not donated: micro-step",
-                "not donated: boundary",
-                "not donated: per window",
-            ],
-            rows,
-        ),
-        "",
-        f"- *jaxaccum, donated.* The loop carry aliases the donated state buffers: {donated}. "
-        f"The boundary's path has {cell(ours, 'boundary')}; the inner update there runs in a "
-        "nested loop that makes one trip only for an applied window (no select over the inner "
-        "state). The HLO counts these copies; this benchmark does not attribute them to buffers.",
-        "- *optax.MultiSteps, donated.* It runs AdamW on every call, and every call's path has "
-        f"{cell(theirs, 'between')} (the parameters, the inner state and the accumulator hold "
-        f"{2 + inner_p:.1f} P together).",
-        f"- *not donated.* {not_donated}; optax.MultiSteps's has {cell(theirs_nd, 'between')}: it "
-        "writes its outputs by recomputing AdamW on every call. Donate the train step's params "
-        "and optimizer state (`donate_argnums`).",
-    ]
-    quoted = []
-    if model == HISTORY_MODEL and k == HISTORY_K:  # the model and window the 0.1 rows measured
-        quoted.append(f"section 1's jaxaccum 0.1 rows, measured on {HISTORY_DATE}")
-        history = [
-            [label, donated_p, not_donated_p, f"{r_d:.2f}", f"{r_nd:.2f}"]
-            for label, (donated_p, not_donated_p, r_d, r_nd) in HISTORY_0_1.items()
-        ] + [
-            [
-                "jaxaccum, this run",
-                window(ours),
-                window(ours_nd),
-                f"{ours['ratio_window_cpu']:.2f}",
-                f"{ours_nd['ratio_window_cpu']:.2f}",
-            ]
-        ]
-        lines += [
-            "",
-            "Per window, against jaxaccum 0.1 (copies in P; per-window CPU-time ratio against "
-            f"optax.MultiSteps; the 0.1 rows are not from this run: this benchmark measured them "
-            f"on {HISTORY_DATE}):",
-            "",
-            table(
-                [
-                    "variant",
-                    "copies, donated",
-                    "copies, not donated",
-                    "ratio, donated",
-                    "ratio, not donated",
-                ],  # fmt: skip
-                history,
-            ),
-        ]
-    return "\n".join(lines), quoted

@@ -92,7 +92,9 @@ def lesson(number: str) -> Run:
 
 
 def load_flax_lm(name: str):
-    """``examples/flax_lm/<name>.py`` as a module."""
+    """``examples/flax_lm/<name>.py`` as a module (``train.py`` imports ``_report``)."""
+    if str(FLAX_LM) not in sys.path:  # as `python examples/flax_lm/train.py` would put it
+        sys.path.insert(0, str(FLAX_LM))
     return _load(FLAX_LM / f"{name}.py", f"flax_lm_{name}")
 
 

@@ -101,13 +101,16 @@ from flax import nnx
 model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
 optimizer = nnx.Optimizer(model, jaxaccum.multi_steps(optax.adamw(1e-2), 2), wrt=nnx.Param)
 
-def loss_fn(model, x, y):                    # a SUM and its number of items
+
+def loss_fn(model, x, y):  # a SUM and its number of items
     return jnp.sum((model(x)[:, 0] - y) ** 2), y.shape[0]
+
 
 @nnx.jit
 def micro_step(model, optimizer, x, y):
     (loss_sum, num_items), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, x, y)
     optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
+
 
 for step in range(4):
     micro_step(model, optimizer, jnp.ones((2, 3)) * step, jnp.arange(2.0))

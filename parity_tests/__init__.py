@@ -13,6 +13,7 @@ data ``tinygpt.data``'s one generator and one layout)::
     suite           the matrix and its checks
     report          what is printed: verdict, legend, table (100 columns)
     report_files    parity.md, parity.json; plot: parity_loss.png
+    audits          the second table: the audit of the known bugs' loops, JAX and torch
 
 Command line: ``python -m parity_tests --device cpu --quick --out DIR``.
 

@@ -3,11 +3,13 @@
 Runs the suite (see ``parity_tests.suite``), prints the verdict first, then a
 legend and the table (100 columns), and writes ``DIR/parity.md``,
 ``DIR/parity.json`` and ``DIR/parity_loss.png`` (each check's worst deviation
-against the tolerance band).
+against the tolerance band). Then the second table: the audit of the known
+bugs' loops, JAX and torch (``parity_tests.audits``, ``docs/audit.md``).
 
-Exit status: 0 when every parity check is within tolerance and every negative
-control is flagged; 1 otherwise (a bug variant NOT flagged is a failure too);
-2 when the requested device is not available.
+Exit status: 0 when every parity check is within tolerance, every negative
+control is flagged and the audit names every loop's bug; 1 otherwise (a bug
+variant NOT flagged is a failure too); 2 when the requested device is not
+available.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
 
-    from parity_tests import report, report_files, suite
+    from parity_tests import audits, report, report_files, suite
 
     result = suite.run_suite(args.device, args.quick, progress=not args.no_progress)
     paths = report_files.write(result, args.out)
@@ -102,7 +104,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, err in result.errors.items():
         print(f"FAILED RUN {name}:\n{err}", file=sys.stderr)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0 if result.passed else 1
+    rows = audits.run_audits(progress=not args.no_progress)
+    print()
+    print(audits.table(rows))
+    wrong = [
+        f"{row.loop}: {row.report.verdict}, expected {row.expected}" for row in rows if not row.ok
+    ]
+    if wrong:
+        print("FAIL: the audit misnamed " + "; ".join(wrong))
+    return 0 if result.passed and not wrong else 1
 
 
 if __name__ == "__main__":

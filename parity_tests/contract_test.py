@@ -3,11 +3,13 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
-import jaxaccum
-import torch_ref
-from jaxaccum._loss_scale import next_loss_scale
+torch = pytest.importorskip("torch", reason="needs torch: no CPU build for this Python here")
+
+
+import jaxaccum  # noqa: E402
+import torch_ref  # noqa: E402
+from jaxaccum._loss_scale import next_loss_scale  # noqa: E402
 
 
 def test_skip_reasons_are_the_same_enum():

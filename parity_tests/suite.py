@@ -6,10 +6,8 @@ For every scenario (a window layout of the default skewed data):
     jaxaccum  vs jax big batch      layout invariance in JAX (plain optax.adamw reference)
     torch_ref vs torch big batch    layout invariance in torch (R = k = 1 reference)
     jaxaccum  vs torch big batch    the layout against the other framework's big batch
-    jax big batch vs torch big batch  (once per distinct big batch)
-
-(the quick matrix runs the JAX big batch for the control scenario only: it
-costs a compilation per unit and dtype).
+    jax big batch vs torch big batch  (once per distinct big batch; the quick
+                                       matrix: the control scenario's only)
 
 and on the control scenario (R=2, k=2, token unit, the short window, clipping
 and warmup-cosine active, so that every bug has something to act on):

@@ -10,8 +10,10 @@ import numpy as np
 import optax
 import pytest
 
-import torch_ref
-from tinygpt.weights import init_state_dict
+pytest.importorskip("torch", reason="needs torch: no CPU build for this Python here")
+
+import torch_ref  # noqa: E402
+from tinygpt.weights import init_state_dict  # noqa: E402
 
 # (warmup_steps, decay_steps, init_value, end_value, peak): the parity suite's schedule
 # (parity_tests.suite.DEFAULT_OPT), torch_ref's DDP tests', one without warmup, one long.

@@ -154,12 +154,7 @@ def units(labels: np.ndarray, unit: str) -> np.ndarray:
 
 
 def split(n: int, weights: Sequence[float]) -> list[int]:
-    """``n`` items into integer parts proportional to ``weights`` (largest remainder).
-
-    Example:
-      >>> split(14, [1, 2, 3, 4])   # 1.4, 2.8, 4.2, 5.6
-      [1, 3, 4, 6]
-    """
+    """``n`` items into integer parts proportional to ``weights`` (largest remainder)."""
     total = sum(weights)
     raw = [n * w / total for w in weights]
     parts = [math.floor(x) for x in raw]
@@ -221,9 +216,8 @@ def assignment(
 
 
 def _untie(order: list[int], shares: list[int], n_valid: np.ndarray) -> list[int]:
-    """``order`` (dealt consecutively, ``shares[r]`` rows to device ``r``) with rows swapped
-    between devices while two devices with rows hold the same number of valid tokens;
-    the shares (so the sample counts) stay, data without a tie come back unchanged."""
+    """``order`` (``shares[r]`` rows to device ``r``, consecutively) with rows swapped between
+    devices while two of them hold as many valid tokens (the shares stay; no tie: unchanged)."""
     bounds = np.cumsum([0, *shares])
 
     def ties(o: list[int]) -> list[int]:
@@ -291,11 +285,8 @@ def layout_windows(
     *,
     deal: str = "skewed",
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """:func:`layout` of every window's global batch, all with one ``mb`` (the most any
-    window needs), so that a jitted step compiles once for all of them.
-
-    ``ks``: micro-batches per device, one for all windows or one per window.
-    """
+    """:func:`layout` of every window's batch with one ``mb`` (the most any window needs: a
+    jitted step compiles once); ``ks``: micro-batches per device, one or one per window."""
     ks = [ks] * len(batches) if isinstance(ks, int) else list(ks)
     plans = [
         assignment(valid_tokens(lab), devices, k, deal)

@@ -4,9 +4,10 @@
     .venv/bin/python examples/flax_lm/train.py --quick   # 2 updates, big batch and jaxaccum only
 
 The data are SFT-style samples cut from ``tinygpt/corpus.txt``: a prompt
-(labels -100) and a response of very unequal length (0 to ~60 valid tokens),
-16 samples per update, cut into k = 4 micro-batches (one of them holds only
-samples without a valid token). Three pipelines start from the same weights,
+(labels -100) and a response of very unequal length (0 to 59 valid tokens),
+16 samples per update, laid out by ``tinygpt.data.layout`` over 4 devices and
+k = 4 micro-batches (every device a different number of valid tokens; the samples
+without one make the last micro-batch of the last device). Three pipelines start from the same weights,
 see the same samples and use the same optimizer (AdamW, warmup-cosine learning
 rate, global-norm clipping at 1.0):
 
@@ -37,6 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from _report import log_line, plot, summary  # noqa: E402  (examples/flax_lm/_report.py)
 from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -70,20 +72,15 @@ class Settings:
 
 def schedule(s: Settings):
     """Warmup-cosine over UPDATES (the inner optimizer counts updates, never micro-steps)."""
-    warmup = max(1, s.updates // 8)
+    warmup, low = max(1, s.updates // 8), s.peak_lr / 10  # (init = end, peak, warmup, decay)
     return optax.warmup_cosine_decay_schedule(
-        init_value=s.peak_lr / 10,
-        peak_value=s.peak_lr,
-        warmup_steps=warmup,
-        decay_steps=max(s.updates, warmup + 1),
-        end_value=s.peak_lr / 10,
+        low, s.peak_lr, warmup, max(s.updates, warmup + 1), low
     )
 
 
 def adamw(s: Settings) -> optax.GradientTransformation:
-    return optax.inject_hyperparams(optax.adamw)(
-        learning_rate=schedule(s), b1=0.9, b2=0.95, weight_decay=0.1
-    )
+    adamw = optax.inject_hyperparams(optax.adamw)  # the learning rate in the state, for the log
+    return adamw(learning_rate=schedule(s), b1=0.9, b2=0.95, weight_decay=0.1)
 
 
 def new_model(seed: int) -> flax_gpt.TinyGPT:
@@ -92,12 +89,9 @@ def new_model(seed: int) -> flax_gpt.TinyGPT:
     Built from its abstract shape and numpy weights: no op runs eagerly, so
     nothing is compiled one operation at a time.
     """
-    abstract = nnx.eval_shape(lambda: flax_gpt.TinyGPT(CONFIG))
-    graphdef, state = nnx.split(abstract)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: flax_gpt.TinyGPT(CONFIG)))
     weights = init_state_dict(CONFIG, seed=seed)  # torch-layout numpy, float64
-    nnx.replace_by_pure_dict(
-        state, flax_gpt.params_from_state_dict(weights, CONFIG, dtype=jnp.float32)
-    )
+    nnx.replace_by_pure_dict(state, flax_gpt.params_from_state_dict(weights, CONFIG, jnp.float32))
     return nnx.merge(graphdef, state)
 
 
@@ -145,9 +139,8 @@ def multisteps_micro_step(model, optimizer, tokens, labels):
 
 @nnx.jit
 def jaxaccum_micro_step(model, optimizer, tokens, labels):  # tokens, labels: P("data")
-    (loss_sum, num_items), grads = jaxaccum.value_and_grad(loss_sum_and_items, axis_name="data")(
-        model, tokens, labels
-    )
+    grad_fn = jaxaccum.value_and_grad(loss_sum_and_items, axis_name="data")
+    (loss_sum, num_items), grads = grad_fn(model, tokens, labels)  # partial sums per device
     optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)  # a SUM, its items
     state = optimizer.opt_state
     record = jaxaccum.window_metrics(state)._asdict()
@@ -160,24 +153,17 @@ def params_of(model) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
-def max_abs(a, b) -> float:
-    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
-
-
-def l2(a, b) -> float:
-    return float(
-        np.sqrt(sum(np.sum((x.astype(np.float64) - y) ** 2) for x, y in zip(a, b, strict=True)))
+def distances(a: list[np.ndarray], b: list[np.ndarray]) -> tuple[float, float]:
+    """The largest ``|a - b|`` and the L2 norm of ``a - b``, in float64."""
+    diff = [x.astype(np.float64) - y for x, y in zip(a, b, strict=True)]
+    return max(float(np.abs(d).max()) for d in diff), float(
+        np.sqrt(sum(np.sum(d**2) for d in diff))
     )
 
 
-def log_line(record: dict, s: Settings) -> str:
-    r = {key: np.asarray(v).item() for key, v in record.items()}
-    return (
-        f"update {r['update_id']:>3}/{s.updates} | micro_step {r['micro_step']:>4}"
-        f" | window_items {r['window_items']:>4.0f} | cumulative_items {r['cumulative_items']:>6.0f}"
-        f" | loss {r['loss']:.4f} | grad_norm {r['grad_norm']:.3f} -> {r['grad_norm_clipped']:.3f}"
-        f" | lr {r['learning_rate']:.2e} | skipped {r['skipped']}"
-    )
+def micro_batch(window: tuple[np.ndarray, np.ndarray], m: int) -> list[np.ndarray]:
+    """Micro-batch ``m`` of every device of a ``[devices, k, mb, T]`` window: one global batch."""
+    return [x[:, m].reshape(-1, x.shape[-1]) for x in window]
 
 
 def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -> dict:
@@ -201,56 +187,27 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
 
     names = ("big", "jaxaccum") + (("multisteps",) if with_multisteps else ())
     models = {name: new_model(s.seed) for name in names}
-    txs = {
-        "big": adamw(s),
-        "jaxaccum": jaxaccum.multi_steps(
-            adamw(s), s.k, axis_name="data", max_grad_norm=MAX_GRAD_NORM
-        ),
-        "multisteps": optax.MultiSteps(
-            optax.chain(optax.clip_by_global_norm(MAX_GRAD_NORM), adamw(s)), s.k
-        ),
+    clipped = optax.chain(optax.clip_by_global_norm(MAX_GRAD_NORM), adamw(s))
+    accumulate = jaxaccum.multi_steps(adamw(s), s.k, axis_name="data", max_grad_norm=MAX_GRAD_NORM)
+    txs = {"big": adamw(s), "jaxaccum": accumulate, "multisteps": optax.MultiSteps(clipped, s.k)}
+    with jax.set_mesh(mesh):  # jaxaccum's params replicated over the mesh, its state laid out on it
+        nnx.update(models["jaxaccum"], jax.device_put(nnx.state(models["jaxaccum"]), P()))
+        optimizers = {"jaxaccum": new_optimizer(models["jaxaccum"], txs["jaxaccum"])}
+    optimizers |= {
+        name: new_optimizer(models[name], txs[name]) for name in names if name not in optimizers
     }
-    optimizers = {}
-    for name in names:
-        if name == "jaxaccum":  # params replicated over the mesh, the state laid out on it
-            with jax.set_mesh(mesh):
-                nnx.update(models[name], jax.device_put(nnx.state(models[name]), P()))
-                optimizers[name] = new_optimizer(models[name], txs[name])
-        else:
-            optimizers[name] = new_optimizer(models[name], txs[name])
-    history = {
-        key: []
-        for key in (
-            "big",
-            "jaxaccum",
-            "multisteps",
-            "multisteps_logged",
-            "lr",
-            "max_jaxaccum",
-            "rel_jaxaccum",
-            "max_multisteps",
-            "rel_multisteps",
-        )
-    }
+    history = {key: [] for key in ("big", "multisteps_logged", "lr")}
+    history |= {f"{m}{name}": [] for m in ("", "max_", "rel_") for name in names[1:]}
     initial = params_of(models["big"])
-    bar = tqdm(
-        total=s.updates * s.k,
-        desc="jaxaccum",
-        unit="micro-batch",
-        disable=not progress,
-        file=sys.stderr,
-    )
+    bar = tqdm(total=s.updates * s.k, desc="jaxaccum", unit="micro-batch", file=sys.stderr,
+               disable=not progress)  # fmt: skip
     for u in range(s.updates):
-        tokens, labels = big_batches[u]
-        history["big"].append(
-            float(big_batch_step(models["big"], optimizers["big"], tokens, labels))
-        )
+        loss = big_batch_step(models["big"], optimizers["big"], *big_batches[u])
+        history["big"].append(float(loss))
 
-        tok, lab = windows[u]
         with jax.set_mesh(mesh):
-            for m in range(s.k):
-                batch = [x[:, m].reshape(-1, x.shape[-1]) for x in (tok, lab)]
-                batch = jax.device_put(batch, P("data"))  # rows split over the devices
+            for m in range(s.k):  # the rows of each micro-batch split over the devices
+                batch = jax.device_put(micro_batch(windows[u], m), P("data"))
                 record = jaxaccum_micro_step(models["jaxaccum"], optimizers["jaxaccum"], *batch)
                 bar.update(1)
         assert bool(record["applied"]), f"update {u + 1} was not applied"
@@ -261,10 +218,9 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
         if with_multisteps:
             sums, counts, means = 0.0, 0.0, []
             for m in range(s.k):
+                batch = micro_batch(windows[u], m)
                 mean, loss_sum, num_items = multisteps_micro_step(
-                    models["multisteps"],
-                    optimizers["multisteps"],
-                    *[x[:, m].reshape(-1, x.shape[-1]) for x in (tok, lab)],
+                    models["multisteps"], optimizers["multisteps"], *batch
                 )
                 sums, counts = sums + float(loss_sum), counts + float(num_items)
                 means.append(float(mean))
@@ -272,68 +228,19 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
             history["multisteps_logged"].append(float(np.mean(means)))  # what it would log
 
         reference = params_of(models["big"])
-        moved = l2(reference, initial)
+        moved = distances(reference, initial)[1]
         for name in names[1:]:
-            params = [np.asarray(jax.device_get(x)) for x in params_of(models[name])]
-            history[f"max_{name}"].append(max_abs(params, reference))
-            history[f"rel_{name}"].append(l2(params, reference) / moved)
+            largest, norm = distances(params_of(models[name]), reference)
+            history[f"max_{name}"].append(largest)
+            history[f"rel_{name}"].append(norm / moved)
     bar.close()
     return history
 
 
-def plot(history: dict, path: pathlib.Path, s: Settings) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    updates = np.arange(1, len(history["big"]) + 1)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    left.plot(
-        updates,
-        history["big"],
-        "k-",
-        lw=4,
-        alpha=0.3,
-        label=f"big batch ({s.samples_per_update} samples)",
-    )
-    left.plot(updates, history["jaxaccum"], "C0.-", label=f"jaxaccum.multi_steps, k={s.k}")
-    left.plot(updates, history["multisteps"], "C3.-", label=f"optax.MultiSteps, k={s.k}")
-    left.plot(
-        updates,
-        history["multisteps_logged"],
-        "C3:",
-        label="optax.MultiSteps, as logged (mean of means)",
-    )
-    left.set(
-        xlabel="update",
-        ylabel="window loss (token mean, before the update)",
-        title="Tiny GPT: same samples, same AdamW",
-    )
-    left.legend(fontsize=8)
-    right.semilogy(updates, history["rel_jaxaccum"], "C0.-", label="jaxaccum.multi_steps")
-    right.semilogy(
-        updates, history["rel_multisteps"], "C3.-", label="optax.MultiSteps (mean of means)"
-    )
-    right.set(
-        xlabel="update",
-        ylabel="|params - big batch| / |big batch - initial|",
-        title="Distance from the big-batch parameters",
-    )
-    right.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="2 updates, big batch and jaxaccum only, no plot (the test)",
-    )
+    quick = "2 updates, big batch and jaxaccum only, no plot (the test)"
+    parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument("--updates", type=int, default=None)
     parser.add_argument("--plot", type=pathlib.Path, default=None, help=f"default {PLOT}")
     parser.add_argument("--no-progress", action="store_true")
@@ -352,30 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     history = train(s, with_multisteps=with_multisteps, progress=not args.no_progress)
     seconds = time.perf_counter() - start
 
-    print(
-        f"\n{'pipeline':34} {'first loss':>10} {'last loss':>10} {'max |dparam|':>13} {'relative':>9}"
-    )
-    print(
-        f"{'big batch':34} {history['big'][0]:>10.4f} {history['big'][-1]:>10.4f} {0.0:>13.1e} {0.0:>9.1e}"
-    )
-    rows = [("jaxaccum.multi_steps", "jaxaccum")]
-    if with_multisteps:
-        rows.append(("optax.MultiSteps (mean of means)", "multisteps"))
-    for name, key in rows:
-        print(
-            f"{name:34} {history[key][0]:>10.4f} {history[key][-1]:>10.4f}"
-            f" {max(history['max_' + key]):>13.1e} {history['rel_' + key][-1]:>9.1e}"
-        )
-    print(
-        "(max |dparam|: largest parameter difference from the big batch over all updates;"
-        " relative: L2 distance\n from the big-batch parameters after the last update over the"
-        " distance the big batch moved)"
-    )
-    if with_multisteps:
-        print(
-            f"optax.MultiSteps logs the mean of its micro-batch means: {history['multisteps_logged'][0]:.4f}"
-            f" at update 1, where the window's token mean is {history['multisteps'][0]:.4f}"
-        )
+    summary(history, with_multisteps)
     print(f"{seconds:.0f} s")
 
     # jaxaccum is the big batch up to fp32 summation order (TOLERANCE, see above).
