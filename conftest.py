@@ -51,6 +51,17 @@ def pytest_collect_directory(path, parent):
     return None
 
 
+# Docstring examples that run a whole audit or build a model (seconds each): `make test` only.
+SLOW_DOCTESTS = {"jaxaccum.audit.audit_window", "torch_ref._audit_window.audit_window",
+                 "tinygpt.flax_gpt"}  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if isinstance(item, pytest.DoctestItem) and item.name in SLOW_DOCTESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
     """torch on one intra-op thread in tests that use it: the tiny models gain nothing

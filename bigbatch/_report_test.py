@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 import bigbatch
 
@@ -69,6 +70,7 @@ def test_the_repr_fits_what_pytest_shows_of_an_assertion_message():
     assert len(repr(report)) <= 240, repr(report)  # pytest's limit without -vv
 
 
+@pytest.mark.slow  # subprocess pytest run (> 1 s): make test, not test-fast
 def test_assert_report_passed_reads_well_in_a_users_pytest(tmp_path):
     # a user's test file, no conftest: pytest prints the repr of the message
     test_file = tmp_path / "test_my_loop.py"

@@ -30,6 +30,8 @@ from testkit import (
     tiny_lm_params,
 )
 
+pytestmark = pytest.mark.slow  # every audit runs and differentiates a loop: make test only
+
 # The weights of a float32 loop come out within ~1e-6 (relative) of their
 # formula (float32 gradients summed in another order, the update read back as
 # new - old); 1e-4 leaves 100x room and is still 500x below the 5% by which the
@@ -155,7 +157,6 @@ def test_hand_checked_two_microbatches_of_3_and_1_tokens():
     assert len(repr(report)) <= 240  # what pytest shows of `assert report.passed, report`
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "window_fn, name",
     [
@@ -195,7 +196,6 @@ def masked_mean_window(params, microbatches, optimizer):
     return sgd_step(params, tree_sum(grads), optimizer)
 
 
-@pytest.mark.slow
 def test_a_mean_of_means_with_an_empty_microbatch():
     # the layout of SKEWED gives micro-batch 0 no token. causal_lm masks with a select, so
     # its 0/0 mean has a zero gradient: the audit still names the bug from the other cells
@@ -223,7 +223,6 @@ def fixed_divisor_tail_window(params, microbatches, optimizer):
     return sgd_step(params, tree_sum(grads), optimizer)
 
 
-@pytest.mark.slow
 def test_fixed_divisor_on_a_short_tail_window():
     report = audit(fixed_divisor_tail_window, k=K, short_window=True)
     assert report.k_window == 2 and report.k == K
@@ -231,14 +230,12 @@ def test_fixed_divisor_on_a_short_tail_window():
     assert abs(report.scale - 0.5) <= WEIGHT_RTOL  # k_tail / k = 2 / 4 of its gradient
 
 
-@pytest.mark.slow
 def test_jaxaccum_end_window_normalizes_a_tail_by_its_own_items():
     report = audit(jaxaccum_window("one_device"), k=K, short_window=True)
     assert report.passed, report
     assert_recovers(report, "exact")
 
 
-@pytest.mark.slow
 def test_optax_multisteps_never_closes_a_short_window():
     report = audit(optax_multisteps_window, k=K, short_window=True)
     assert report.verdict == "unknown" and not report.moved
@@ -284,7 +281,6 @@ def ddp_average_forgotten_grads(params, local):
     return jax.lax.pmean(grad(jax.lax.pcast(params, AXIS, to="varying")), AXIS)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "per_device_grads, num_devices, name, scale, device_items",
     [
@@ -306,7 +302,6 @@ def test_data_parallel_bugs_under_shard_map(
     np.testing.assert_array_equal(report.items.sum(axis=1), device_items)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, num_devices", [("shard_map", 4), ("jit", 2)], ids=["shard_map_4", "explicit_jit_2"]
 )
@@ -337,7 +332,6 @@ def elementwise_clip_window(params, microbatches, optimizer):
     return sgd_step(params, tree_sum(grads), optimizer)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("window_fn", [adam_window, elementwise_clip_window], ids=["adam", "clip"])
 def test_a_loop_that_is_no_reweighting_is_unknown_with_a_large_residual(window_fn):
     report = audit(window_fn, k=K)
@@ -360,7 +354,6 @@ def norm_clip_window(params, microbatches, optimizer):
     return sgd_step(params, jax.tree.map(lambda g: g / n_window, tree_sum(grads)), optimizer)
 
 
-@pytest.mark.slow
 def test_clipping_each_microbatch_by_its_norm_is_a_reweighting_of_no_known_form():
     # clip(G_m) = min(1, c / |G_m|) G_m: each micro-batch reweighted by its coefficient
     report = audit(norm_clip_window, k=K)

@@ -23,6 +23,7 @@ def zeros_batch(*leading):
 
 
 @pytest.mark.parametrize("mode", ["shard_map", "jit"])
+@pytest.mark.slow  # compiles a model or a multi-device program (> 1 s): make test, not test-fast
 def test_one_all_reduce_per_window_in_the_boundary_loop(mode):
     run = data_parallel(lambda axis: jaxaccum.multi_steps(optax.adamw(1e-3), 4, axis_name=axis),
                         tiny_lm_loss, mode, DEVICES)  # fmt: skip

@@ -133,6 +133,7 @@ def test_readme_nnx_block_is_the_one_tested():
     assert readme_block("test: nnx") == README_NNX.lstrip("\n")
 
 
+@pytest.mark.slow  # compiles a model or a multi-device program (> 1 s): make test, not test-fast
 def test_readme_nnx_loop_prints_plain_metrics(capsys):
     exec(compile(README_NNX, "README.md (nnx)", "exec"), {})
     printed = capsys.readouterr().out.strip().splitlines()

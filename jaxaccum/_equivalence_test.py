@@ -141,6 +141,7 @@ def test_pmap_and_gspmd_equal_big_batch(mode, layout):
     check_records(records, layout, per_device)
 
 
+@pytest.mark.slow  # compiles a model or a multi-device program (> 1 s): make test, not test-fast
 def test_mean_of_means_is_caught_by_the_tolerance():
     """optax.MultiSteps on per-micro-batch means misses the big batch by >> PARAM_ATOL."""
     layout = Layout(1, 4, 8)

@@ -116,6 +116,7 @@ def test_variable_k_schedule():
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.slow  # compiles a model or a multi-device program (> 1 s): make test, not test-fast
 def test_schedule_counts_updates_not_micro_steps(k):
     schedule = optax.warmup_cosine_decay_schedule(0.0, 1.0, 3, 10)
     tx = jaxaccum.multi_steps(optax.inject_hyperparams(optax.sgd)(learning_rate=schedule), k)
@@ -260,6 +261,7 @@ class TestBadInput:
         updates, state = tx.update({"w": jnp.ones(2)}, state, params, num_items=1)
         assert float(state.num_items) == 1.0
 
+    @pytest.mark.slow  # compiles a model or a multi-device program (> 1 s): make test, not test-fast
     def test_gradients_already_summed_by_shard_map_autodiff_are_rejected(self):
         mesh = jax.make_mesh((2,), ("data",))
         tx = jaxaccum.multi_steps(optax.sgd(1.0), 2, axis_name="data")
@@ -282,6 +284,7 @@ class TestBadInput:
             jax.jit(step)(params, state, y)
 
 
+@pytest.mark.slow  # compiles a model or a multi-device program (> 1 s): make test, not test-fast
 def test_causal_lm_counts_after_the_shift_and_matches_a_direct_sum():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(2, 5, 7)), jnp.float32)

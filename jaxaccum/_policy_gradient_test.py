@@ -64,6 +64,7 @@ def test_window_ratio_is_the_big_batch_objective_except_bnpo():
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.slow  # compiles a model or a multi-device program (> 1 s): make test, not test-fast
 def test_through_multi_steps(loss_type):
     # per-token loss w * l: at w = 1 the window gradient equals the window loss.
     mbs = [

@@ -21,7 +21,8 @@ Two ways to call it::
 
 Example:
     >>> model = TinyGPT(TinyGPTConfig(block_size=16), seed=0)
-    >>> model(jnp.zeros((2, 5), jnp.int32)).shape
+    >>> forward = nnx.jit(lambda model, ids: model(ids))  # one program, not op by op
+    >>> forward(model, jnp.zeros((2, 5), jnp.int32)).shape
     (2, 5, 256)
 """
 

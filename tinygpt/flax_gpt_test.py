@@ -30,6 +30,7 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
+@pytest.mark.slow  # compiles a model or a multi-device program (> 1 s): make test, not test-fast
 def test_module_equals_the_pure_function():
     model = TinyGPT(CFG, seed=0)
     ids = _input_ids()

@@ -54,6 +54,7 @@ def test_logits_match_fp32(weights):
     assert _rel(ours, _torch_logits(weights, ids)) < 1e-5
 
 
+@pytest.mark.slow  # compiles a model or a multi-device program (> 1 s): make test, not test-fast
 def test_logits_match_fp64(weights):
     ids = _input_ids()
     with jax.enable_x64(True):
@@ -67,6 +68,7 @@ def test_logits_match_fp64(weights):
     assert _rel(ours, _torch_logits(weights, ids, dtype=torch.float64)) < 1e-12
 
 
+@pytest.mark.slow  # compiles a model or a multi-device program (> 1 s): make test, not test-fast
 def test_logits_match_bf16_compute(weights):
     ids = _input_ids()
     params = flax_gpt.params_from_state_dict(weights, CFG, dtype=jnp.float32)

@@ -29,6 +29,8 @@ from torch_ref import (
 from torch_ref.audit import audit_hf_trainer, audit_window
 from torch_ref.testing import skewed_batch
 
+pytestmark = pytest.mark.slow  # every audit runs a loop (processes, transformers): make test only
+
 # The weights of a float32 loop come out within ~1e-7 (relative) of their formula
 # (float32 gradients summed in another order, the update read back as new - old, times
 # the fit's condition number, 1.8 to 3.9 here; measured 4e-8 to 1e-7); 1e-4 is the JAX
@@ -205,7 +207,6 @@ def test_the_audit_leaves_the_model_as_it_was():
 # ---- DistributedDataParallel, 2 gloo ranks ------------------------------------------------------
 
 
-@pytest.mark.slow  # 2 processes per audit
 @pytest.mark.parametrize(
     "name, verdict, scale",
     [
@@ -233,7 +234,6 @@ def unsynchronized_window(model, optimizer, microbatches):
     optimizer.step()
 
 
-@pytest.mark.slow  # 2 processes
 def test_ranks_that_step_apart_are_refused():
     with pytest.raises(ValueError, match="rank 1's parameters differ from rank 0's"):
         audit(unsynchronized_window, SKEWED, k=K, world_size=2)
@@ -257,7 +257,6 @@ def hf_rows(batch) -> list[dict[str, torch.Tensor]]:
     return [{name: value[i] for name, value in batch.items()} for i in range(len(batch["labels"]))]
 
 
-@pytest.mark.slow  # imports transformers and runs a Trainer (~5 s)
 def test_hf_trainer_counts_the_window_on_one_process():
     # transformers 5.24: GPT-2 accepts loss kwargs, so the Trainer counts the window's tokens
     # (num_items_in_batch over its k micro-batches) and divides every micro-batch's sum by them
@@ -266,7 +265,6 @@ def test_hf_trainer_counts_the_window_on_one_process():
     assert report.update_error <= UPDATE_RTOL, report
 
 
-@pytest.mark.slow  # imports transformers and runs a Trainer (~5 s)
 def test_hf_trainer_with_a_model_without_loss_kwargs_takes_a_mean_of_means():
     # a forward without **kwargs gets no num_items_in_batch: each micro-batch's mean, / k
     model = tiny_gpt2()
@@ -280,7 +278,6 @@ def _forward_without_kwargs(self, input_ids=None, labels=None):
     return super(type(self), self).forward(input_ids=input_ids, labels=labels)
 
 
-@pytest.mark.slow  # 2 processes importing transformers (4 s; 25 s from a cold fork server)
 @pytest.mark.parametrize(
     "average_tokens_across_devices, verdict",
     [(True, "exact"), (False, "local_denominator")],  # True is the default

@@ -89,6 +89,7 @@ def test_torchrun_gives_the_in_process_records_and_parameters(tmp_path):
     assert [r["update_id"] for r in via_torchrun.records] == [1, 2]  # both windows applied
 
 
+@pytest.mark.slow  # runs a scenario (> 1 s): make test, not test-fast
 def test_files_round_trip_without_a_process_group(tmp_path):
     """World size 1: ``python -m torch_ref`` runs in the calling process; NaN survives the file."""
     scenario = _scenario(1, grad_scaler=True, bug="mean_of_means", empty_window="skip",
