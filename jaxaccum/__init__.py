@@ -13,6 +13,7 @@ from jaxaccum._loss_scale import DynamicLossScale
 from jaxaccum._multi_steps import multi_steps
 from jaxaccum._normalize import WindowTotals, normalize_window
 from jaxaccum._partition_specs import partition_specs
+from jaxaccum._restore import restore_state
 from jaxaccum._state import MultiStepsState, SkipReason, WindowMetrics
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "multi_steps",
     "normalize_window",
     "partition_specs",
+    "restore_state",
     "value_and_grad",
     "window_metrics",
 ]

@@ -12,6 +12,7 @@ from jaxaccum import _sharding
 from jaxaccum._grad import batch_only_mesh, gather, to_reduced
 from jaxaccum._normalize import normalize_window
 from jaxaccum._sharding import Layout
+from jaxaccum._state import items_dtype_for
 
 
 def accumulate_gradients(
@@ -40,7 +41,8 @@ def accumulate_gradients(
       axis_name: the mesh axis the batch is split over (``jax.jit`` on an
         Explicit mesh, ``shard_map`` or ``pmap``), or ``None`` (one device, or
         ``jit`` with the partitioner reducing each micro-batch).
-      accumulator_dtype: dtype of the three sums.
+      accumulator_dtype: dtype of the gradient sums; the loss and the items
+        are summed in float32 (float64 with float64 sums) whatever it is.
 
     Returns:
       ``(grads, metrics)``: the window gradient in the parameters' dtypes, and
@@ -56,7 +58,7 @@ def accumulate_gradients(
       (-4.0, 7.0)
     """
     where = _sharding.layout(axis_name)
-    if where is Layout.UNREDUCED and batch_only_mesh(axis_name):
+    if where is Layout.EXPLICIT and batch_only_mesh(axis_name):
         # under jit, every mesh axis a batch axis: the per-device scan in a shard_map
         def per_device(params, microbatches):
             return _window(loss_fn, params, microbatches, axis_name, Layout.PER_DEVICE,
@@ -91,21 +93,25 @@ def _window(loss_fn, params, microbatches, axis_name, where, accumulator_dtype):
     local_params = params
     if where is Layout.PER_DEVICE:
         local_params = jax.lax.pcast(params, axis_name, to="varying")
-    elif where is Layout.UNREDUCED:
+    elif where is Layout.EXPLICIT:
         local_params = to_reduced(params, axis_name)
 
     def add_microbatch(sums, microbatch):
         grad_sum, loss_sum, num_items = sums
         (mb_loss, mb_items), mb_grads = value_and_grad(local_params, microbatch)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, mb_grads)
-        as_sum = lambda x: jnp.asarray(x).astype(accumulator_dtype)
+        as_sum = lambda x: jnp.asarray(x).astype(zero.dtype)
         return (grad_sum, loss_sum + as_sum(mb_loss), num_items + as_sum(mb_items)), None
 
-    zero = jnp.zeros((), accumulator_dtype)
-    grad_zeros = jax.tree.map(
-        lambda p: _sharding.zero_sum(p, accumulator_dtype, axis_name, where), params
-    )
-    zeros = (jax.tree.map(lambda z: _sharding.from_stored(z, where), grad_zeros), zero, zero)
+    zero = jnp.zeros((), items_dtype_for(accumulator_dtype))  # counts stay exact
+
+    def grad_zero(p):
+        zeros = jnp.zeros(jnp.shape(p), accumulator_dtype)
+        if where is Layout.EXPLICIT:  # partial sums, unreduced over the axis
+            return jax.reshard(zeros, _sharding.unreduced_spec(p, axis_name))
+        return zeros
+
+    zeros = (jax.tree.map(grad_zero, params), zero, zero)
     if where is Layout.PER_DEVICE:
         # The sums vary across devices: declare it, so the scan carry type is stable.
         zeros = jax.tree.map(lambda x: jax.lax.pcast(x, axis_name, to="varying"), zeros)

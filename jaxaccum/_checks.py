@@ -202,8 +202,12 @@ def num_items(value: Any) -> None:
     )
 
 
-def grads(grads: Any, grad_sum: Any, *, per_device: bool) -> None:
-    """``grads`` has the parameters' structure, shapes and a floating dtype."""
+def grads(grads: Any, grad_sum: Any, *, per_device: bool, rows: bool = False) -> None:
+    """``grads`` has the parameters' structure, shapes and a floating dtype.
+
+    ``per_device``: each sum has a leading device axis of length 1 (``shard_map``);
+    ``rows``: sums may hold one row per device (``jit`` on an Explicit mesh).
+    """
     grads_def, sums_def = jax.tree.structure(grads), jax.tree.structure(grad_sum)
     if grads_def != sums_def:
         raise ValueError(
@@ -222,6 +226,8 @@ def grads(grads: Any, grad_sum: Any, *, per_device: bool) -> None:
                 " multi_steps without the same axis_name?"
             )
         expected = s.shape[1:] if per_device else s.shape
+        if rows and s.ndim == np.ndim(g) + 1:
+            expected = s.shape[1:]
         if tuple(np.shape(g)) != tuple(expected):
             hint = ""
             if not per_device and s.ndim and s.shape[0] == 1:
@@ -260,9 +266,23 @@ def update_call(
     if loss_sum is not None:
         scalar(loss_sum, "loss_sum", where=where, kind="real", expected="a real number")
     scalar(end_window, "end_window", where=where, kind="bool", expected="a bool scalar")
-    grads(grads_value, state.grad_sum, per_device=layout is _sharding.Layout.PER_DEVICE)
+    grads(
+        grads_value,
+        state.grad_sum,
+        per_device=layout is _sharding.Layout.PER_DEVICE,
+        rows=layout is _sharding.Layout.EXPLICIT,
+    )
     if layout is _sharding.Layout.PER_DEVICE:
         _sharding.check_axis_bound(axis_name)
+        others = _sharding.other_manual_axes(axis_name)
+        if others and not _sharding.vma_checked(axis_name):
+            raise ValueError(
+                f"{where}: under shard_map with check_vma=False on a mesh with other axes"
+                f" ({others}), multi_steps cannot tell which gradients are blocks of a"
+                " parameter sharded over them, so the window's gradient norm (clipping, the"
+                " skip of a non-finite window) would be one device's block. Use"
+                " check_vma=True (shard_map's default)."
+            )
     if layout is not _sharding.Layout.GLOBAL:
         _sharding.check_grads(grads_value, state.grad_sum, axis_name, layout)
 

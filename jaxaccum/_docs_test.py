@@ -39,7 +39,7 @@ def test_data_parallel_doc_runs_and_prints_its_layouts():
         "updates: 2",  # 8 micro-steps, k = 4
         "mu type: float32[32@data,16]",  # ZeRO-1: the moments stay sharded
         "sum type: float32[32@data,16]",  # FSDP: the sums sharded like the parameters
-        "w1 sum type: float32[8,4@model]{U:data}",  # TP: partial sums over "data"
+        "w1 sum type: float32[2@data,8,4@model]",  # TP: a row of partial sums per "data" device
         "nnx updates: 1",
         "shard_map updates: 1",
     ]

@@ -20,10 +20,24 @@ def value_and_grad(
 ) -> Callable[..., tuple[tuple[jax.Array, jax.Array], Any]]:
     """Wraps ``loss_fn(params, *args) -> (loss_sum, num_items)`` for accumulation.
 
-    The returned function ``f(params, *args, loss_scale=1.0)`` gives
+    The returned function ``f(params, *args, loss_scale=None)`` gives
     ``((loss_sum, num_items), grads)`` where ``grads`` is the gradient of
-    ``loss_scale * loss_sum`` and ``loss_sum`` is unscaled: exactly what
-    ``multi_steps(...).update`` takes. ``params`` may be a pytree or a
+    ``loss_sum`` (of ``loss_scale * loss_sum`` with a loss scale) and
+    ``loss_sum`` is unscaled: exactly what ``multi_steps(...).update`` takes.
+
+    With ``loss_scale`` (fp16: ``jaxaccum.loss_scale(opt_state)``) the backward
+    pass differentiates ``loss_scale * loss_sum / n``, ``n`` the micro-batch's
+    items, so its values are the size of PyTorch ``GradScaler``'s on a mean loss
+    and overflow no sooner; the gradient comes back multiplied by ``n`` in
+    float32, that of ``loss_scale * loss_sum``.
+
+    Randomness: with ``axis_name`` ``loss_fn`` runs per device, and every typed
+    PRNG key among ``args`` (and a module's ``nnx.Rngs`` streams) is folded with
+    the device's index there (``jax.random.fold_in(key, axis_index)``), so each
+    device draws its own dropout mask, as the same step under plain ``jit``
+    draws distinct rows. The keys the module keeps are written back unchanged.
+    A raw ``uint32[2]`` key (``jax.random.PRNGKey``) is refused: pass
+    ``jax.random.key(seed)``. ``params`` may be a pytree or a
     ``flax.nnx.Module`` (then ``loss_fn`` takes the module, ``grads`` is the
     ``nnx.State`` of its ``nnx.Param``\\ s as ``nnx.value_and_grad`` gives it,
     and the module's other state is written back).
@@ -51,44 +65,135 @@ def value_and_grad(
     Example:
       >>> import jax.numpy as jnp
       >>> f = value_and_grad(lambda w, n: (n * w ** 2, n))
-      >>> (loss_sum, num_items), grad = f(jnp.array(3.0), 2.0, loss_scale=4.0)
-      >>> float(loss_sum), float(num_items), float(grad)  # grad of 4 * 2 * w^2 at 3
-      (18.0, 2.0, 48.0)
+      >>> (loss_sum, num_items), grad = f(jnp.array(3.0), 2.0)
+      >>> float(loss_sum), float(num_items), float(grad)  # grad of 2 * w^2 at 3
+      (18.0, 2.0, 12.0)
+      >>> float(f(jnp.array(3.0), 2.0, loss_scale=4.0)[1])  # of 4 * 2 * w^2, in float32
+      48.0
     """
 
-    def wrapped(params, *args, loss_scale: Any = 1.0):
+    def wrapped(params, *args, loss_scale: Any = None):
         nnx = sys.modules.get("flax.nnx")
         if nnx is not None and isinstance(params, nnx.Module):
             return _nnx_value_and_grad(nnx, loss_fn, axis_name, params, args, loss_scale)
 
-        def objective(params, *args):
-            loss_sum, num_items = loss_fn(params, *args)
-            scaled = loss_sum * jnp.asarray(loss_scale, loss_sum.dtype)
-            return scaled, ((loss_sum, num_items), ())
+        def objective(params, loss_scale, *args):
+            loss_sum, num_items = loss_fn(params, *own_streams(args, axis_name))
+            return scaled_loss(loss_sum, num_items, loss_scale), ((loss_sum, num_items), ())
 
-        grads, (values, _) = _differentiate(objective, params, args, axis_name)
+        loss_scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+        grads, (values, _) = _differentiate(objective, params, (loss_scale, *args), axis_name)
         return values, grads
 
     return wrapped
 
 
+# -- fp16 loss scaling, sized like GradScaler's on a mean loss.
+
+
+def scaled_loss(loss_sum: jax.Array, num_items: Any, loss_scale: Any) -> jax.Array:
+    """What the backward pass differentiates: ``loss_scale * loss_sum / n``.
+
+    ``n`` (this micro-batch's items, at least 1, not differentiated) makes the
+    values in the low-precision backward pass the size of GradScaler's on a
+    mean loss: a summed loss's gradient is ``n`` times a mean's, and at the
+    same scale it would overflow about ``log2(n)`` windows longer.
+    ``loss_scale=None``: the summed loss as it is.
+    """
+    if loss_scale is None:
+        return loss_sum
+    per_item = jnp.asarray(loss_scale, loss_sum.dtype) / _items_at_least_one(num_items, loss_sum)
+    return loss_sum * jax.lax.stop_gradient(per_item)
+
+
+def unscaled_to_sum(grads: Any, num_items: Any, loss_scale: Any) -> Any:
+    """The gradient of :func:`scaled_loss` times ``n``: that of ``loss_scale * loss_sum``.
+
+    In float32 (or wider): the summed loss's gradient, ``n`` times a mean's, can
+    exceed float16's range where the mean's did not. An overflow of the
+    backward pass stays inf and skips the window.
+    """
+    if loss_scale is None:
+        return grads
+
+    def to_sum(g):
+        wide = jnp.float64 if g.dtype == jnp.float64 else jnp.float32
+        return g.astype(wide) * _items_at_least_one(num_items, g).astype(wide)
+
+    return jax.tree.map(to_sum, grads)
+
+
+def _items_at_least_one(num_items: Any, like: jax.Array) -> jax.Array:
+    n = jnp.asarray(num_items).astype(jnp.float32)
+    return jnp.maximum(n, 1.0).astype(like.dtype if like.dtype == jnp.float64 else jnp.float32)
+
+
+# -- Randomness: each device its own stream.
+
+
+def own_streams(tree: Any, axis_name: AxisName | None) -> Any:
+    """Per device, every typed PRNG key in ``tree`` folded with the device's index.
+
+    ``loss_fn`` runs per device (a ``shard_map`` under ``jit``, or yours): a
+    replicated key would draw the same dropout mask on every device, where the
+    same step under plain ``jit`` draws distinct rows. Outside a per-device
+    context, or without ``axis_name``, ``tree`` is returned as it is.
+    """
+    if axis_name is None or _sharding.layout(axis_name) is not Layout.PER_DEVICE:
+        return tree
+    try:
+        index = jax.lax.axis_index(axis_name)
+    except NameError:  # the axis is not bound: not per device
+        return tree
+    _refuse_raw_keys(tree, axis_name, index)
+    fold = lambda x: jax.random.fold_in(x, index) if _is_key(x) else x
+    return jax.tree.map(fold, tree)
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _refuse_raw_keys(tree: Any, axis_name: AxisName, index: jax.Array) -> None:
+    """A raw ``uint32[2]`` key cannot be told from data: one that is the same on
+    every device (seen where JAX tracks it, with vma checking) is refused, rather
+    than draw one mask for every device."""
+    batch_axes = frozenset(_sharding.axes(axis_name))
+    if not batch_axes <= _sharding.varying_axes(index):
+        return  # no vma checking: replicated and per-device values look alike
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        raw = getattr(x, "dtype", None) == jnp.uint32 and jnp.shape(x) == (2,)
+        if raw and not batch_axes <= _sharding.varying_axes(x):
+            raise TypeError(
+                f"jaxaccum.value_and_grad: argument leaf {jax.tree_util.keystr(path)} is a"
+                " uint32[2] array, a raw PRNG key (jax.random.PRNGKey): per device it would"
+                " draw the same numbers on every device. Pass a typed key"
+                " (jax.random.key(seed)); each device then draws its own stream."
+            )
+
+
 def _differentiate(objective, params, args, axis_name):
     """``jax.grad(objective, has_aux=True)`` with the gradient kept per device.
 
-    ``objective(params, *args) -> (scaled loss, (values, extra))``: ``values``
+    ``objective(params, loss_scale, *args) -> (scaled loss, (values, extra))``
+    (``args`` here starts with ``loss_scale``): ``values``
     (the loss and the items) are per-device sums like the gradient; ``extra``
     is replicated state to hand back (an NNX module's non-parameter state).
     Returns ``(grads, (values, extra))``.
     """
-    grad = jax.grad(objective, has_aux=True)
+
+    def grad(params, loss_scale, *args):  # per device where the objective runs per device
+        grads, (values, extra) = jax.grad(objective, has_aux=True)(params, loss_scale, *args)
+        return unscaled_to_sum(grads, values[1], loss_scale), (values, extra)
+
     where = _sharding.layout(axis_name)
     if where is Layout.PER_DEVICE:
         # cast first, then differentiate: the gradient with respect to the cast
         # parameters is the per-device one (a cast inside would transpose to a sum)
         return grad(jax.lax.pcast(params, axis_name, to="varying"), *args)
-    if where is Layout.UNREDUCED and not batch_only_mesh(axis_name):
+    if where is Layout.EXPLICIT and not batch_only_mesh(axis_name):
         return grad(to_reduced(params, axis_name), *args)
-    if where is Layout.UNREDUCED:
+    if where is Layout.EXPLICIT:
         return _per_device_under_jit(grad, params, args, axis_name)
     return grad(params, *args)
 
@@ -125,17 +230,22 @@ def _nnx_value_and_grad(nnx, loss_fn, axis_name, model, args, loss_scale):
     """The same for a ``flax.nnx`` module: differentiate its ``nnx.Param`` state.
 
     The rest of the module's state (RNG counts, statistics) is written back, as
-    ``nnx.value_and_grad`` does.
+    ``nnx.value_and_grad`` does; its RNG keys draw per device (:func:`own_streams`)
+    and are written back as they were.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
-    def objective(params, rest, *args):
-        module = nnx.merge(graphdef, params, rest)
-        loss_sum, num_items = loss_fn(module, *args)
-        scaled = loss_sum * jnp.asarray(loss_scale, loss_sum.dtype)
-        return scaled, ((loss_sum, num_items), nnx.state(module, nnx.Not(nnx.Param)))
+    def objective(params, loss_scale, rest, *args):
+        module = nnx.merge(graphdef, params, own_streams(rest, axis_name))
+        loss_sum, num_items = loss_fn(module, *own_streams(args, axis_name))
+        new_rest = nnx.state(module, nnx.Not(nnx.Param))
+        new_rest = jax.tree.map(lambda new, old: old if _is_key(old) else new, new_rest, rest)
+        return scaled_loss(loss_sum, num_items, loss_scale), ((loss_sum, num_items), new_rest)
 
-    grads, (values, new_rest) = _differentiate(objective, params, (rest, *args), axis_name)
+    loss_scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)
+    grads, (values, new_rest) = _differentiate(
+        objective, params, (loss_scale, rest, *args), axis_name
+    )
     nnx.update(model, new_rest)
     return values, grads
 

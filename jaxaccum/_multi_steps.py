@@ -19,8 +19,7 @@ import optax
 from jaxaccum import _checks, _sharding
 from jaxaccum._loss_scale import DynamicLossScale, next_loss_scale
 from jaxaccum._normalize import clip_by_global_norm, normalize_window
-from jaxaccum._sharding import Layout
-from jaxaccum._state import MultiStepsState, closed_window, first_record
+from jaxaccum._state import MultiStepsState, closed_window, first_record, items_dtype_for
 
 
 def multi_steps(
@@ -56,8 +55,9 @@ def multi_steps(
         ``jit`` letting the partitioner reduce every micro-step (GSPMD).
       max_grad_norm: clip the window gradient to this global L2 norm, once per
         window, with PyTorch's ``clip_grad_norm_`` formula; ``None``: no clip.
-      accumulator_dtype: dtype of the three sums (float32 by default, also for
-        bf16 parameters).
+      accumulator_dtype: dtype of the gradient sums (float32 by default, also
+        for bf16 parameters). ``num_items`` and the loss are summed in float32
+        (float64 with float64 sums) whatever it is: counts stay exact.
       loss_scaling: a :class:`DynamicLossScale` for fp16 training, or ``None``.
         Differentiate ``jaxaccum.loss_scale(state) * loss_sum``
         (``jaxaccum.value_and_grad`` does it) and pass the UNSCALED
@@ -97,6 +97,8 @@ def multi_steps(
     _checks.one_of(nonfinite, "nonfinite", ("skip", "raise"), where="multi_steps")
     _checks.instance_or_none(loss_scaling, "loss_scaling", DynamicLossScale, where="multi_steps")
     inner = optax.with_extra_args_support(inner)
+    # counts and the loss stay exact whatever the gradient sums' dtype: float32 or wider
+    items_dtype = items_dtype_for(accumulator_dtype)
     zero = lambda dtype=accumulator_dtype: jnp.zeros((), dtype)
 
     def init_fn(params: Any) -> MultiStepsState:
@@ -109,8 +111,8 @@ def multi_steps(
             loss_known=jnp.ones((), jnp.bool_),
             applied=zero(jnp.bool_),
             inner_state=_standard_promotion(inner.init)(params),
-            **_sharding.zero_sums(params, accumulator_dtype, axis_name, where),
-            last_window=_sharding.replicated(first_record(accumulator_dtype, scale), where),
+            **_sharding.zero_sums(params, accumulator_dtype, items_dtype, axis_name, where),
+            last_window=_sharding.replicated(first_record(items_dtype, scale), where),
         )
 
     def update_fn(
@@ -127,8 +129,9 @@ def multi_steps(
         _checks.update_call(grads, state, num_items, loss_sum, end_window, extra_args, where,
                             axis_name)  # fmt: skip
         grads = jax.tree.map(jnp.asarray, grads)  # Python float leaves are accepted
-        stored = lambda x: _sharding.to_stored(x, where)
-        unstored = lambda x: _sharding.from_stored(x, where)
+        stored = lambda x, window_sum: _sharding.to_stored(x, window_sum, axis_name, where)
+        unstored = lambda window_sum, ndim: _sharding.from_stored(window_sum, ndim, axis_name,
+                                                                  where)  # fmt: skip
         grad_dtypes = jax.tree.map(lambda g: g.dtype, grads)
         # Arrays among the extra arguments travel in the loop carry; the rest are constants.
         dynamic = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
@@ -141,11 +144,8 @@ def multi_steps(
                 return inner.update(window_grads, inner_state, params, **static, **dynamic)
 
         # 1. Every call: add this micro-batch to the window sums. Nothing else.
-        def as_sum(x, window_sum):
-            x = stored(jnp.reshape(jnp.asarray(x, accumulator_dtype), ()))
-            # under jit, a global (replicated) value joins the partial sums as it is
-            return _sharding.like(x, window_sum) if where is Layout.UNREDUCED else x
-
+        # under jit, a global (replicated) value joins the partial sums once (in the first row)
+        as_sum = lambda x, window_sum: stored(jnp.reshape(jnp.asarray(x), ()), window_sum)
         window_step = state.window_step + 1
         close = (window_step >= window_size(state.last_window.update_id)) | jnp.asarray(end_window)
         added = state._replace(
@@ -153,9 +153,7 @@ def multi_steps(
             micro_step=state.micro_step + 1,
             loss_known=state.loss_known & (loss_sum is not None),
             applied=zero(jnp.bool_),
-            grad_sum=jax.tree.map(
-                lambda s, g: s + stored(g.astype(s.dtype)), state.grad_sum, grads
-            ),
+            grad_sum=jax.tree.map(lambda s, g: s + stored(g, s), state.grad_sum, grads),
             loss_sum=state.loss_sum + as_sum(0.0 if loss_sum is None else loss_sum, state.loss_sum),
             num_items=state.num_items + as_sum(num_items, state.num_items),
         )
@@ -172,9 +170,9 @@ def multi_steps(
 
         def boundary(slot, state, params, dynamic):
             totals = normalize_window(
-                jax.tree.map(unstored, state.grad_sum),
-                unstored(state.loss_sum),
-                unstored(state.num_items),
+                jax.tree.map(lambda s, g: unstored(s, g.ndim), state.grad_sum, grad_types),
+                unstored(state.loss_sum, 0),
+                unstored(state.num_items, 0),
                 axis_name=axis_name,
                 loss_scale=state.last_window.loss_scale,
             )
@@ -228,7 +226,7 @@ def multi_steps(
         # nothing runs), the parameters' shardings.
         grad_types = jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g), g.dtype), grads)
         update_types = jax.eval_shape(inner_update, grad_types, state.inner_state, params, dynamic)
-        slot = _sharding.updates_slot(grads, state.grad_sum, update_types[0], where)
+        slot = _sharding.updates_slot(grads, state.grad_sum, update_types[0], axis_name, where)
         slot, new_state, *_ = _once_if(close, boundary, slot, added, params, dynamic)
         # Zero unless this call applied an update (a select: no NaN can leak).
         updates = jax.tree.map(lambda u: jnp.where(new_state.applied, u, 0).astype(u.dtype), slot)

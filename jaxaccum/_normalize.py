@@ -23,9 +23,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from jaxaccum._sharding import reduce_over_devices
+from jaxaccum._sharding import global_norm, reduce_over_devices
 
 
 class WindowTotals(NamedTuple):
@@ -38,7 +37,8 @@ class WindowTotals(NamedTuple):
       loss: the window mean loss ``sum loss_sum / window_items``; NaN when the
         window holds no item (there is no mean).
       window_items: the global number of items ``N`` (summed over devices).
-      grad_norm: the global L2 norm of ``grads``.
+      grad_norm: the global L2 norm of ``grads`` (over every block of a
+        tensor-parallel leaf under ``shard_map``).
     """
 
     grads: Any
@@ -91,13 +91,16 @@ def normalize_window(
     has_items = num_items > 0
     denominator = jnp.where(has_items, num_items, jnp.ones_like(num_items))
     grad_denominator = denominator * jnp.asarray(loss_scale).astype(denominator.dtype)
-    grads = jax.tree.map(
-        lambda g: jnp.where(has_items, g / grad_denominator.astype(g.dtype), 0).astype(g.dtype),
-        grad_sum,
-    )
+
+    def divide(g):  # in the wider of the two dtypes: a bf16 N would round 120004 to 120320
+        wide = max(g.dtype, grad_denominator.dtype, key=lambda d: d.itemsize)
+        quotient = g.astype(wide) / grad_denominator.astype(wide)
+        return jnp.where(has_items, quotient, 0).astype(g.dtype)
+
+    grads = jax.tree.map(divide, grad_sum)
     loss = jnp.where(has_items, loss_sum / denominator, jnp.nan).astype(loss_sum.dtype)
     return WindowTotals(
-        grads=grads, loss=loss, window_items=num_items, grad_norm=optax.tree.norm(grads)
+        grads=grads, loss=loss, window_items=num_items, grad_norm=global_norm(grads)
     )
 
 

@@ -6,9 +6,13 @@ runs:
 
 * ``jax.jit`` on a mesh whose axis is Explicit (``jax.make_mesh``'s default):
   the gradient with respect to parameters cast to ``reduced`` comes out
-  ``unreduced`` (each device holds a partial sum), the window's gradient sum
-  stays unreduced in the state, and the boundary's ``jax.reshard`` to the
-  parameters' sharding is the one all-reduce (:attr:`Layout.UNREDUCED`);
+  ``unreduced`` (each device holds a partial sum). The state keeps each
+  device's partial sums as its own row of an ordinary array sharded over the
+  axis (``P(axis, *param_spec)``: one row per device, the same global layout as
+  under ``shard_map``), so Orbax and ``jax.device_get`` read it like any array.
+  Moving a partial sum into its row, and a row back to an ``unreduced`` value at
+  the boundary, are local; the boundary's ``jax.reshard`` to the parameters'
+  sharding is the one all-reduce (:attr:`Layout.EXPLICIT`);
 * ``jax.shard_map`` (a Manual axis) or ``jax.pmap``: each device holds its own
   sums, with a leading axis of length 1 (one row per device in the global
   array, :func:`partition_specs`), and the boundary ``psum``-s them
@@ -16,6 +20,10 @@ runs:
 * no ``axis_name``: the sums are what the gradients are (global sums under
   ``jit`` on sharded arrays, where the partitioner reduces every micro-step's
   gradient) and nothing is reduced (:attr:`Layout.GLOBAL`).
+
+A parameter sharded over the batch axis (FSDP) is the exception under
+``jit``: its gradient arrives reduced onto its shards, and its sum is kept
+sharded like the parameter (rows would hold the whole gradient per device).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -36,7 +46,7 @@ class Layout(enum.Enum):
 
     GLOBAL = "global"
     PER_DEVICE = "per_device"
-    UNREDUCED = "unreduced"
+    EXPLICIT = "explicit"
 
 
 def axes(axis_name: AxisName) -> tuple[str, ...]:
@@ -54,7 +64,7 @@ def layout(axis_name: AxisName | None) -> Layout:
         if types == {AxisType.Manual}:
             return Layout.PER_DEVICE
         if types == {AxisType.Explicit}:
-            return Layout.UNREDUCED
+            return Layout.EXPLICIT
         raise ValueError(
             f"multi_steps: mesh axis {axis_name!r} is of type {sorted(t.name for t in types)}:"
             " under jax.jit an Auto axis leaves the window's sums to the partitioner, which"
@@ -86,35 +96,45 @@ def _reshard(x: jax.Array, spec: P) -> jax.Array:
     return jax.reshard(x, spec)
 
 
-def sum_spec(param: Any, axis_name: AxisName) -> P:
-    """The window gradient sum of ``param``: unreduced over the axis, else like ``param``.
-
-    A parameter sharded over the batch axis (FSDP) has a gradient sharded the
-    same way (reduced and scattered inside each micro-step's backward pass), so
-    its sum keeps that sharding: an unreduced full-size sum would hold the
-    whole gradient on every device.
-    """
+def unreduced_spec(param: Any, axis_name: AxisName) -> P:
+    """An in-step gradient sum of ``param`` under jit: unreduced over the axis, else like
+    ``param`` (FSDP: a gradient reduced onto the parameter's shards)."""
     spec = spec_of(param)
     return spec if uses(spec, axis_name) else rebuild(spec, unreduced=frozenset(axes(axis_name)))
 
 
+def row_spec(spec: P, axis_name: AxisName) -> P:
+    """One row per device: a leading axis sharded over the batch axis, then ``spec``."""
+    return P(axis_name, *spec.partitions)
+
+
+def _devices_along(axis_name: AxisName) -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    return int(np.prod([mesh.shape[a] for a in axes(axis_name)]))
+
+
 def zero_sum(param: Any, dtype: Any, axis_name: AxisName | None, where: Layout) -> jax.Array:
-    """A window sum of zeros in its stored layout."""
+    """A window sum of zeros in its stored layout (module docstring)."""
     zeros = jnp.zeros(jnp.shape(param), dtype)
     if where is Layout.PER_DEVICE:
         return zeros[None]
-    if where is Layout.UNREDUCED:
-        return _reshard(zeros, sum_spec(param, axis_name))
+    if where is Layout.EXPLICIT:
+        spec = spec_of(param)
+        if uses(spec, axis_name):  # FSDP: kept like the parameter
+            return _reshard(zeros, spec)
+        rows = jnp.zeros((_devices_along(axis_name), *jnp.shape(param)), dtype)
+        return _reshard(rows, row_spec(spec, axis_name))
     return zeros
 
 
-def zero_sums(params: Any, dtype: Any, axis_name: AxisName | None, where: Layout) -> dict:
+def zero_sums(params: Any, dtype: Any, items_dtype: Any, axis_name: AxisName | None,
+              where: Layout) -> dict:  # fmt: skip
     """The three window sums of a fresh state: ``grad_sum``, ``loss_sum``, ``num_items``."""
-    zero = jnp.zeros((), dtype)
+    zero = jnp.zeros((), items_dtype)
     return dict(
         grad_sum=jax.tree.map(lambda p: zero_sum(p, dtype, axis_name, where), params),
-        loss_sum=zero_sum(zero, dtype, axis_name, where),
-        num_items=zero_sum(zero, dtype, axis_name, where),
+        loss_sum=zero_sum(zero, items_dtype, axis_name, where),
+        num_items=zero_sum(zero, items_dtype, axis_name, where),
     )
 
 
@@ -122,20 +142,65 @@ def replicated(tree: Any, where: Layout) -> Any:
     """Under jit on an Explicit mesh, ``tree``'s leaves declared replicated (``P()``).
 
     jax 0.12.0.1 merges a jitted ``init``'s identical zeros, and the replicated
-    record then comes out labelled with the unreduced sums' sharding; an
-    explicit replicated sharding keeps them apart.
+    record then comes out labelled with the sums' sharding; an explicit
+    replicated sharding keeps them apart.
     """
-    if where is not Layout.UNREDUCED:
+    if where is not Layout.EXPLICIT:
         return tree
     return jax.tree.map(lambda x: jax.reshard(x, P(*(None,) * jnp.ndim(x))), tree)
 
 
-def to_stored(x: jax.Array, where: Layout) -> jax.Array:
-    return x[None] if where is Layout.PER_DEVICE else x
+def to_stored(x: jax.Array, window_sum: jax.Array, axis_name: AxisName | None,
+              where: Layout) -> jax.Array:  # fmt: skip
+    """This call's value (a gradient leaf, or a scalar) in its window sum's dtype and layout."""
+    x = jnp.asarray(x).astype(window_sum.dtype)
+    if where is Layout.PER_DEVICE:
+        return x[None]
+    if where is Layout.EXPLICIT and window_sum.ndim == x.ndim + 1:
+        return _into_rows(x, axis_name)
+    return x
 
 
-def from_stored(x: jax.Array, where: Layout) -> jax.Array:
-    return x[0] if where is Layout.PER_DEVICE else x
+def from_stored(window_sum: jax.Array, ndim: int, axis_name: AxisName | None,
+                where: Layout) -> jax.Array:  # fmt: skip
+    """A window sum as this device's partial sum of an ``ndim``-dimensional value."""
+    if where is Layout.PER_DEVICE:
+        return window_sum[0]
+    if where is Layout.EXPLICIT and window_sum.ndim == ndim + 1:
+        return _out_of_rows(window_sum, axis_name)
+    return window_sum
+
+
+def _into_rows(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """A partial sum (unreduced over the axis) or a global value as one row per device.
+
+    Local, no collective: each device writes its block into its own row; a value
+    that is the same on every device is written into the first row only, so that
+    the rows still add up to it. ``check_vma=False``: JAX has no cast from
+    unreduced to varying, and the block of an unreduced array on a device is that
+    device's partial sum, which is exactly what its row holds.
+    """
+    spec = spec_of(x)
+    partial = set(axes(axis_name)) <= spec.unreduced
+
+    def write(block):
+        if not partial:
+            first = jax.lax.axis_index(axis_name) == 0
+            block = jnp.where(first, block, jnp.zeros_like(block))
+        return block[None]
+
+    out = row_spec(spec, axis_name)
+    return jax.shard_map(write, in_specs=spec, out_specs=out, check_vma=False)(x)
+
+
+def _out_of_rows(rows: jax.Array, axis_name: AxisName) -> jax.Array:
+    """Each device's row back as its partial sum, an ``unreduced`` array (local)."""
+    spec = spec_of(rows)
+    out = rebuild(P(*spec.partitions[1:]), unreduced=frozenset(axes(axis_name)))
+    if rows.shape[0] == 1:  # one device: jax 0.10.2 cannot lower this shard_map there
+        return _reshard(rows[0], out)
+    read = lambda block: jax.lax.pcast(block[0], axis_name, to="unreduced")
+    return jax.shard_map(read, in_specs=spec, out_specs=out)(rows)
 
 
 def _named_spec(x: Any) -> P | None:
@@ -161,18 +226,24 @@ def reduced_zeros(window_sum: jax.Array, dtype: Any) -> jax.Array:
     return _reshard(zeros, rebuild(spec, unreduced=frozenset()))
 
 
-def updates_slot(grads: Any, grad_sum: Any, update_types: Any, where: Layout) -> Any:
+def updates_slot(grads: Any, grad_sum: Any, update_types: Any, axis_name: AxisName | None,
+                 where: Layout) -> Any:  # fmt: skip
     """The loop carry that receives the window's updates (zero between boundaries).
 
     The inner optimizer's update dtypes, the parameters' shardings. On one
     device it starts as this call's gradient, a buffer that is dead once added
-    to the sum, so XLA reuses it instead of writing zeros.
+    to the sum, so XLA reuses it instead of writing zeros. Under ``shard_map``
+    a block of a parameter sharded over another axis varies over that axis.
     """
 
     def slot(g, window_sum, u):
         if where is Layout.GLOBAL and jnp.shape(g) == u.shape:
             return g.astype(u.dtype)
-        return reduced_zeros(from_stored(window_sum, where), u.dtype)
+        if where is Layout.EXPLICIT:  # the gradient's sharding without its unreduced axes
+            return reduced_zeros(g, u.dtype)
+        zeros = reduced_zeros(from_stored(window_sum, jnp.ndim(g), None, where), u.dtype)
+        blocks = varying_axes(g) - (frozenset(axes(axis_name)) if axis_name else frozenset())
+        return jax.lax.pcast(zeros, tuple(sorted(blocks)), to="varying") if blocks else zeros
 
     return jax.tree.map(slot, grads, grad_sum, update_types)
 
@@ -203,6 +274,40 @@ def reduce_over_devices(sums: Any, axis_name: AxisName | None) -> Any:
         return _reshard(x, rebuild(spec, unreduced=spec.unreduced - set(axes(axis_name))))
 
     return jax.tree.map(reduce, sums)
+
+
+def global_norm(grads: Any) -> jax.Array:
+    """The L2 norm over the whole parameters, wherever their blocks are.
+
+    Under ``shard_map`` a leaf sharded over another mesh axis (tensor
+    parallelism over "model") holds one block per device there: its squared
+    norm varies over that axis and is added over it (a scalar ``psum``). Leaves
+    that do not vary, and every leaf outside ``shard_map``, are what they are.
+    """
+
+    def squared(g):
+        total = jnp.sum(jnp.square(g))
+        blocks = tuple(sorted(varying_axes(total)))
+        return jax.lax.psum(total, blocks) if blocks else total
+
+    return jnp.sqrt(optax.tree.sum(jax.tree.map(squared, grads)))
+
+
+def vma_checked(axis_name: AxisName) -> bool:
+    """Under ``shard_map``: whether JAX tracks which values vary over the axis."""
+    return frozenset(axes(axis_name)) <= varying_axes(jax.lax.axis_index(axis_name))
+
+
+def other_manual_axes(axis_name: AxisName) -> list[str]:
+    """Manual mesh axes of more than one device other than the batch axes."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return []
+    return [
+        a
+        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == AxisType.Manual and a not in axes(axis_name) and mesh.shape[a] > 1
+    ]
 
 
 def varying_axes(x: Any) -> frozenset[str]:
@@ -255,12 +360,13 @@ def check_grads(grads: Any, grad_sum: Any, axis_name: AxisName, where: Layout) -
                     f" with respect to jax.lax.pcast(params, {axis_name!r}, to='varying'); the"
                     " window's single psum happens at the boundary."
                 )
-    elif where is Layout.UNREDUCED:
+    elif where is Layout.EXPLICIT:
         for (path, g), s in zip(leaves, jax.tree.leaves(grad_sum), strict=True):
-            if spec_of(g) != spec_of(s):
+            if not _same_spec(spec_of(g), arrival_spec(s, jnp.ndim(g), axis_name), jnp.ndim(g)):
                 raise ValueError(
                     f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path)} has type"
-                    f" {jax.typeof(g)}; its window sum has {jax.typeof(s)}. Under jax.jit on an"
+                    f" {jax.typeof(g)}; to join its window sum with no collective it needs"
+                    f" the sharding {arrival_spec(s, jnp.ndim(g), axis_name)}. Under jax.jit on an"
                     " Explicit mesh, take the gradients with"
                     f" jaxaccum.value_and_grad(loss_fn, axis_name={axis_name!r}): it keeps each"
                     " device's gradient a partial sum (unreduced, no all-reduce per micro-step);"
@@ -268,3 +374,16 @@ def check_grads(grads: Any, grad_sum: Any, axis_name: AxisName, where: Layout) -
                     " was all-reduced already: for that (GSPMD) path build multi_steps without"
                     " axis_name."
                 )
+
+
+def arrival_spec(window_sum: jax.Array, ndim: int, axis_name: AxisName) -> P:
+    """Under jit: the spec a gradient must have to join ``window_sum`` with no collective."""
+    spec = spec_of(window_sum)
+    if window_sum.ndim == ndim + 1:  # rows: a partial sum, unreduced over the axis
+        return rebuild(P(*spec.partitions[1:]), unreduced=frozenset(axes(axis_name)))
+    return spec  # FSDP: sharded like the parameter
+
+
+def _same_spec(a: P, b: P, ndim: int) -> bool:
+    pad = lambda spec: tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
+    return (pad(a), a.unreduced, a.reduced) == (pad(b), b.unreduced, b.reduced)

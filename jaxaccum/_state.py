@@ -22,7 +22,7 @@ class WindowMetrics(NamedTuple):
       update_id: int32, updates applied since ``init`` (after this window).
         Skipped windows do not count; the inner optimizer counts the same.
       window_items: the window's global ``num_items`` ``N``: items of all its
-        micro-batches on all devices (``accumulator_dtype``).
+        micro-batches on all devices (float32, float64 with float64 sums).
       cumulative_items: ``N`` summed over every applied window.
       loss: the window's mean loss ``sum(loss_sum) / N``; NaN when it has no
         value: ``loss_sum`` was not passed on every call of the window, or the
@@ -56,10 +56,15 @@ class MultiStepsState(NamedTuple):
     """State of :func:`jaxaccum.multi_steps`.
 
     The window sums (``grad_sum``, ``loss_sum``, ``num_items``) belong to one
-    device between boundaries: with an ``axis_name`` under ``shard_map`` or
-    ``pmap`` each carries a leading axis of length 1 (one row per device in the
-    global array, see :func:`jaxaccum.partition_specs`). Every other leaf is
-    identical on every device. The counters that outlive a window (the update
+    device between boundaries. With an ``axis_name`` they hold one row per
+    device: the global array has a leading axis sharded over the batch axis
+    (``P(axis_name, *param_spec)``, see :func:`jaxaccum.partition_specs`); under
+    ``shard_map`` or ``pmap`` each device sees its row as a leading axis of
+    length 1. Under ``jit`` on an Explicit mesh a parameter sharded over the
+    batch axis (FSDP) is the exception: its sum is kept sharded like it. So the
+    state is an ordinary pytree of ordinary arrays on every route (Orbax saves
+    it, ``jax.device_get`` reads it). Every other leaf is identical on every
+    device. The counters that outlive a window (the update
     id, the cumulative items, the skip count, the loss scale) live in
     ``last_window`` only.
 
@@ -74,9 +79,11 @@ class MultiStepsState(NamedTuple):
       inner_state: the inner optimizer's state.
       grad_sum: the open window's sum of the gradients of the SUMMED loss
         (``accumulator_dtype``, float32 by default).
-      loss_sum: the open window's summed loss (``accumulator_dtype``).
+      loss_sum: the open window's summed loss (float32 whatever
+        ``accumulator_dtype`` is; float64 with float64 sums).
       num_items: the open window's items: valid tokens, samples, or any
-        non-negative weight (``accumulator_dtype``).
+        non-negative weight (float32, float64 with float64 sums: counts stay
+        exact in a low-precision accumulator).
       last_window: the :class:`WindowMetrics` of the last closed window; its
         ``update_id`` is what ``every_k_schedule`` sees.
     """
@@ -93,15 +100,25 @@ class MultiStepsState(NamedTuple):
     last_window: WindowMetrics
 
 
-def first_record(accumulator_dtype: Any, loss_scale: float) -> WindowMetrics:
+def items_dtype_for(accumulator_dtype: Any) -> jnp.dtype:
+    """The dtype of ``num_items``, ``loss_sum`` and the record: float32, or float64 sums'.
+
+    Counts must stay exact: float16 overflows at 65504 items and bfloat16 counts
+    exactly only up to 256, while a window holds 10^4 to 10^6 tokens.
+    """
+    wide = jnp.dtype(accumulator_dtype).itemsize > 4
+    return jnp.dtype(jnp.float64 if wide else jnp.float32)
+
+
+def first_record(items_dtype: Any, loss_scale: float) -> WindowMetrics:
     """The record before any window closed: no loss yet (NaN), every counter 0."""
-    zero = lambda dtype=accumulator_dtype: jnp.zeros((), dtype)
+    zero = lambda dtype=items_dtype: jnp.zeros((), dtype)
     return WindowMetrics(
         micro_step=zero(jnp.int32),
         update_id=zero(jnp.int32),
         window_items=zero(),
         cumulative_items=zero(),
-        loss=jnp.full((), jnp.nan, accumulator_dtype),
+        loss=jnp.full((), jnp.nan, items_dtype),
         grad_norm=zero(),
         grad_norm_clipped=zero(),
         skipped=zero(jnp.bool_),
@@ -132,8 +149,10 @@ def closed_window(
         window_items=totals.window_items,
         cumulative_items=last.cumulative_items + jnp.where(applied, totals.window_items, 0),
         loss=jnp.where(loss_known, totals.loss, jnp.nan),
-        grad_norm=totals.grad_norm,
-        grad_norm_clipped=jnp.where(finite, norm_clipped, totals.grad_norm),  # nothing clipped
+        grad_norm=totals.grad_norm.astype(last.grad_norm.dtype),
+        grad_norm_clipped=jnp.where(finite, norm_clipped, totals.grad_norm).astype(
+            last.grad_norm.dtype
+        ),  # a non-finite window: nothing clipped
         skipped=~applied,
         skip_count=last.skip_count + (~applied).astype(jnp.int32),
         skip_reason=reason.astype(jnp.int32),

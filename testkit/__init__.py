@@ -141,6 +141,29 @@ def big_batch_run(params: Any, batches: list, loss_fn: Callable, inner: Callable
     return params
 
 
+def big_batch_last_window(params: Any, batches: list, loss_fn: Callable, inner: Callable) -> dict:
+    """The big batch's record of its last window: items, mean loss, gradient norm.
+
+    A uniform scale error (R-fold or k-fold items, a missing division) leaves
+    AdamW's parameters unchanged; these three numbers show it.
+    """
+    params = big_batch_run(params, batches[:-1], loss_fn, inner)
+    loss_sum, num_items = loss_fn(params, batches[-1])
+    grads = jax.grad(mean_loss(loss_fn))(params, batches[-1])
+    return {
+        "window_items": float(num_items),
+        "loss": float(loss_sum / num_items),
+        "grad_norm": float(optax.tree.norm(grads)),
+    }
+
+
+def assert_records_match(metrics: Any, expected: dict, *, rtol: float, reason: str) -> None:
+    """A ``WindowMetrics`` against :func:`big_batch_last_window`, within ``rtol``."""
+    for key, value in expected.items():
+        got = float(getattr(metrics, key))
+        assert abs(got - value) <= rtol * abs(value), f"{key}: {got} vs {value} ({reason})"
+
+
 # -- Skewed token windows: every device a different number of valid tokens, one none.
 
 

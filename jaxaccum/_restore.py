@@ -1,0 +1,135 @@
+"""`restore_state`: a saved optimizer state on a new mesh, the open window carried over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxaccum._state import MultiStepsState
+
+_WINDOW_SUMS = ("grad_sum", "loss_sum", "num_items")
+
+
+def restore_state(saved: Any, like: Any) -> Any:
+    """A saved optimizer state laid out like ``like``, on any number of devices.
+
+    ``like`` is a freshly initialized optimizer state on the new mesh (``tx.init``
+    under ``jax.set_mesh``, or under ``jax.shard_map`` with
+    :func:`jaxaccum.partition_specs`); ``saved`` is the same optimizer's state as
+    saved: arrays or numpy (``jax.device_get``, or Orbax's restore with or
+    without a target, whose NamedTuples come back as dicts), from any device
+    count. Every leaf is copied into ``like``'s sharding, except the open
+    window's sums, which hold one row per device: the rows are added up (in
+    float64) and the total is written into the first row of the new layout,
+    zeros in the others. The window's sum over devices is unchanged, so the
+    window finishes as it would have (to float32 rounding; bitwise when the
+    device count is the same, since then the rows are copied as they are).
+
+    Args:
+      saved: the saved optimizer state (a pytree with ``like``'s paths).
+      like: a fresh state of the same optimizer, laid out for the new mesh.
+
+    Returns:
+      ``saved``'s values in ``like``'s structure, shapes, dtypes and shardings.
+
+    Raises:
+      ValueError: a leaf of ``like`` is missing from ``saved`` (or the other
+        way round), or has a shape or dtype that no device count explains.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxaccum
+      >>> tx = jaxaccum.multi_steps(optax.sgd(1.0), 2)
+      >>> params = {'w': jnp.zeros(2)}
+      >>> _, state = tx.update({'w': jnp.ones(2)}, tx.init(params), params, num_items=1)
+      >>> restored = jaxaccum.restore_state(jax.device_get(state), like=tx.init(params))
+      >>> int(restored.window_step), float(restored.num_items)
+      (1, 1.0)
+    """
+    saved_leaves = {_key(path): leaf for path, leaf in _leaves_with_paths(saved)}
+    like_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+    sums = _window_sum_paths(like)
+    restored = []
+    for path, target in like_leaves:
+        key = _key(path)
+        if key not in saved_leaves:
+            raise ValueError(
+                f"restore_state: `saved` has no leaf {jax.tree_util.keystr(path)}, which"
+                " `like` has: is `saved` the state of the same optimizer?"
+            )
+        value = np.asarray(saved_leaves.pop(key))
+        where = jax.tree_util.keystr(path)
+        value = _window_sum(value, target, where) if key in sums else _same(value, target, where)
+        restored.append(_place(value, target))
+    if saved_leaves:
+        raise ValueError(
+            f"restore_state: `saved` has leaves that `like` does not: {sorted(saved_leaves)[:5]}"
+        )
+    return jax.tree.unflatten(treedef, restored)
+
+
+def _leaves_with_paths(tree: Any) -> list:
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _key(path: tuple) -> tuple[str, ...]:
+    """A path by names alone: a NamedTuple field and a dict key of that name match."""
+    names = []
+    for entry in path:
+        for attr in ("name", "key", "idx"):
+            if hasattr(entry, attr):
+                names.append(str(getattr(entry, attr)))
+                break
+        else:
+            names.append(str(entry))
+    return tuple(names)
+
+
+def _window_sum_paths(like: Any) -> set[tuple[str, ...]]:
+    """The paths of every window-sum leaf of every ``MultiStepsState`` in ``like``."""
+    is_state = lambda x: isinstance(x, MultiStepsState)
+    found = set()
+    for state_path, node in jax.tree_util.tree_flatten_with_path(like, is_leaf=is_state)[0]:
+        if not is_state(node):
+            continue
+        for field in _WINDOW_SUMS:
+            for path, _ in _leaves_with_paths(getattr(node, field)):
+                found.add(_key(state_path) + (field,) + _key(path))
+    return found
+
+
+def _same(value: np.ndarray, target: Any, where: str) -> np.ndarray:
+    if value.shape != tuple(target.shape) or value.dtype != target.dtype:
+        raise ValueError(
+            f"restore_state: leaf {where} was saved as {value.dtype}{list(value.shape)};"
+            f" `like` has {target.dtype}{list(target.shape)}."
+        )
+    return value
+
+
+def _window_sum(value: np.ndarray, target: Any, where: str) -> np.ndarray:
+    """A saved window sum in the target's layout, its total over devices unchanged."""
+    shape = tuple(target.shape)
+    if value.shape == shape:  # same layout (or an FSDP sum, sharded like its parameter)
+        return _same(value, target, where)
+    wide = value.astype(np.float64)
+    if value.ndim == len(shape) and value.shape[1:] == shape[1:]:  # rows, another count
+        total = wide.sum(axis=0)
+    elif value.ndim == len(shape) + 1 and value.shape[1:] == shape:  # rows onto one device
+        return wide.sum(axis=0).astype(target.dtype)
+    elif value.ndim + 1 == len(shape) and value.shape == shape[1:]:  # one device onto rows
+        total = wide
+    else:
+        raise ValueError(
+            f"restore_state: window sum {where} was saved with shape {list(value.shape)};"
+            f" `like` has {list(shape)}, and no device count maps one onto the other."
+        )
+    rows = np.zeros(shape, np.float64)
+    rows[0] = total  # the devices' rows add up to the saved total
+    return rows.astype(target.dtype)
+
+
+def _place(value: np.ndarray, target: Any) -> jax.Array:
+    sharding = getattr(target, "sharding", None)
+    return jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value)
