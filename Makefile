@@ -11,7 +11,7 @@ PYTHON_LATEST ?= $(shell p=$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python
 VENV_LATEST := .venv-latest
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
-.PHONY: demo test test-fast test-latest lint parity bench clean
+.PHONY: demo test test-fast test-latest lint parity bench fuzz clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ parity: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks --out docs/benchmarks.md
+
+# The property tests (any split of a window is the big batch) with 1000 hypothesis
+# examples per mode (vmap, shard_map, plain jit) instead of 40. Not in CI.
+fuzz: $(STAMP)
+	JAXACCUM_FUZZ_EXAMPLES=1000 $(PY) -m pytest -q -s jaxaccum/_property_test.py
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) build *.egg-info

@@ -11,6 +11,8 @@ Run ``python -m benchmarks --out docs/benchmarks.md`` (``make bench``); see
 4. ``state``        optimizer-state bytes
 5. ``jax_vs_torch`` tokens per second, jaxaccum vs torch_ref
 6. ``gpu``          accumulation overhead on one GPU (``--device cuda``)
+7. ``loss_scale_start`` fp16 windows skipped at the start: jaxaccum vs
+                    GradScaler, and the old summed-loss backward
 
 Compiled programs are read by ``testkit.hlo``. Importing this package runs
 no JAX operation (the entry point first fakes 8 CPU devices).

@@ -27,7 +27,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="cpu (default) or cuda: also runs section 6 on the GPU",
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: check the pipeline only")
-    parser.add_argument("--sections", default="1,2,3,4,5,6", help="comma-separated subset of 1-6")
+    parser.add_argument("--sections", default="1,2,3,4,5,6,7", help="comma-separated subset of 1-7")
     parser.add_argument(
         "--cache-dir",
         default=os.path.join(
@@ -50,7 +50,16 @@ def main(argv: list[str] | None = None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
     from benchmarks import _models as models
-    from benchmarks import comm, gpu, jax_vs_torch, micro_step, report, scan, state
+    from benchmarks import (
+        comm,
+        gpu,
+        jax_vs_torch,
+        loss_scale_start,
+        micro_step,
+        report,
+        scan,
+        state,
+    )
 
     started = time.perf_counter()
     load_at_start = report.load_average()
@@ -88,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             seq_len=16 if quick else 128, rows=8, k=4, rounds=rounds, device=args.device
         ),
         6: lambda: gpu.run(args.device),
+        7: lambda: loss_scale_start.run((512,) if quick else (512, 4096)),
     }
     sections = []
     for number in sorted(wanted):

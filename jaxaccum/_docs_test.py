@@ -33,7 +33,7 @@ def run_blocks(blocks: list[str], name: str) -> str:
 
 def test_data_parallel_doc_runs_and_prints_its_layouts():
     blocks = code_blocks(ROOT / "docs" / "data-parallel.md")
-    assert len(blocks) == 6
+    assert len(blocks) == 9
     printed = run_blocks(blocks, "docs/data-parallel.md").splitlines()
     assert printed == [
         "updates: 2",  # 8 micro-steps, k = 4
@@ -42,12 +42,17 @@ def test_data_parallel_doc_runs_and_prints_its_layouts():
         "w1 sum type: float32[2@data,8,4@model]",  # TP: a row of partial sums per "data" device
         "nnx updates: 1",
         "shard_map updates: 1",
+        "saved after 2 of 4; item rows: (4,)",  # mid-window, on the host
+        "resumed at micro-step 2",
+        "on 2 devices: 2 rows; updates: 1",  # the window finished on the new mesh
     ]
 
 
-@pytest.mark.parametrize("marker", ["test: jit"])
-def test_readme_blocks_run(marker):
-    blocks = code_blocks(ROOT / "README.md", marker)
-    assert len(blocks) == 1
-    printed = run_blocks(blocks, f"README.md ({marker})")
-    assert printed.strip().splitlines()[-1] == "updates: 2"
+def test_readme_jit_and_checkpoint_blocks_run():
+    blocks = code_blocks(ROOT / "README.md", "test: jit") + code_blocks(
+        ROOT / "README.md", "test: checkpoint"
+    )
+    assert len(blocks) == 2
+    printed = run_blocks(blocks, "README.md (jit, checkpoint)").strip().splitlines()
+    # 8 micro-steps of k = 4; then a third window saved half-way, finished on 2 devices
+    assert printed[-2:] == ["updates: 2", "updates: 3"]

@@ -92,7 +92,7 @@ def value_and_grad(
 
 
 def scaled_loss(loss_sum: jax.Array, num_items: Any, loss_scale: Any) -> jax.Array:
-    """What the backward pass differentiates: ``loss_scale * loss_sum / n``.
+    """What the backward pass differentiates: ``loss_sum`` times ``loss_scale / n``.
 
     ``n`` (this micro-batch's items, at least 1, not differentiated) makes the
     values in the low-precision backward pass the size of GradScaler's on a
@@ -102,30 +102,35 @@ def scaled_loss(loss_sum: jax.Array, num_items: Any, loss_scale: Any) -> jax.Arr
     """
     if loss_scale is None:
         return loss_sum
-    per_item = jnp.asarray(loss_scale, loss_sum.dtype) / _items_at_least_one(num_items, loss_sum)
-    return loss_sum * jax.lax.stop_gradient(per_item)
+    return loss_sum * jax.lax.stop_gradient(_backward_factor(num_items, loss_scale, loss_sum))
 
 
-def unscaled_to_sum(grads: Any, num_items: Any, loss_scale: Any) -> Any:
-    """The gradient of :func:`scaled_loss` times ``n``: that of ``loss_scale * loss_sum``.
+def unscaled_to_sum(grads: Any, num_items: Any, loss_scale: Any, loss_sum: jax.Array) -> Any:
+    """The gradient of :func:`scaled_loss` turned into that of ``loss_scale * loss_sum``.
 
-    In float32 (or wider): the summed loss's gradient, ``n`` times a mean's, can
-    exceed float16's range where the mean's did not. An overflow of the
-    backward pass stays inf and skips the window.
+    Multiplied by ``loss_scale / factor`` (``factor`` as the backward pass used
+    it, in the loss's dtype) in float32 or wider: the summed loss's gradient,
+    ``n`` times a mean's, can exceed float16's range where the mean's did not.
+    An overflow of the backward pass stays inf and skips the window.
     """
     if loss_scale is None:
         return grads
+    factor = _backward_factor(num_items, loss_scale, loss_sum)
+    wide = jnp.float64 if loss_sum.dtype == jnp.float64 else jnp.float32
+    undo = jnp.asarray(loss_scale, wide) / factor.astype(wide)
 
     def to_sum(g):
-        wide = jnp.float64 if g.dtype == jnp.float64 else jnp.float32
-        return g.astype(wide) * _items_at_least_one(num_items, g).astype(wide)
+        g_wide = jnp.float64 if g.dtype == jnp.float64 else jnp.float32
+        return g.astype(g_wide) * undo.astype(g_wide)
 
     return jax.tree.map(to_sum, grads)
 
 
-def _items_at_least_one(num_items: Any, like: jax.Array) -> jax.Array:
-    n = jnp.asarray(num_items).astype(jnp.float32)
-    return jnp.maximum(n, 1.0).astype(like.dtype if like.dtype == jnp.float64 else jnp.float32)
+def _backward_factor(num_items: Any, loss_scale: Any, loss_sum: jax.Array) -> jax.Array:
+    """``loss_scale / max(n, 1)``, computed in float32 (or float64), in the loss's dtype."""
+    wide = jnp.float64 if loss_sum.dtype == jnp.float64 else jnp.float32
+    items = jnp.maximum(jnp.asarray(num_items).astype(wide), 1.0)
+    return (jnp.asarray(loss_scale, wide) / items).astype(loss_sum.dtype)
 
 
 # -- Randomness: each device its own stream.
@@ -184,7 +189,7 @@ def _differentiate(objective, params, args, axis_name):
 
     def grad(params, loss_scale, *args):  # per device where the objective runs per device
         grads, (values, extra) = jax.grad(objective, has_aux=True)(params, loss_scale, *args)
-        return unscaled_to_sum(grads, values[1], loss_scale), (values, extra)
+        return unscaled_to_sum(grads, values[1], loss_scale, values[0]), (values, extra)
 
     where = _sharding.layout(axis_name)
     if where is Layout.PER_DEVICE:

@@ -11,11 +11,14 @@ micro-batches is closed by a traced ``end_window=True`` (a short window is
 normalized by its real items), so both ways of closing a window are exercised
 and ONE compilation serves every example.
 
-The same examples run twice: under ``vmap`` with an axis name (every leaf
-carries a device axis), and under ``shard_map`` over 4 CPU devices with vma
-checking on, where the per-device gradient comes from
+The same examples run three times: under ``vmap`` with an axis name (every
+leaf carries a device axis), under ``shard_map`` over 4 CPU devices with vma
+checking on, and under plain ``jax.jit`` on an Explicit 4-device mesh (the
+README's first route: the window sums are rows sharded over the devices); in
+the last two the per-device gradient comes from
 ``jaxaccum.value_and_grad(..., axis_name=...)`` and the replicated state is
-checked shard by shard.
+checked shard by shard. ``make fuzz`` runs the same properties with
+``JAXACCUM_FUZZ_EXAMPLES`` (1000) examples per mode.
 
 Properties, after every micro-step: the accumulated update equals the
 big-batch update (a window is skipped iff it holds no token or the poison),
@@ -25,6 +28,7 @@ poison until the boundary drops them).
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +51,7 @@ SEQ_LEN = 8
 VOCAB = 13
 WINDOWS = 2
 LEARNING_RATE = 0.5
-MAX_EXAMPLES = 40
+MAX_EXAMPLES = int(os.environ.get("JAXACCUM_FUZZ_EXAMPLES", "40"))
 # sgd: the update IS -lr x the window gradient, so this compares gradients
 # directly (AdamW would map a near-zero gradient element's rounding to a
 # full-size step). fp32: the big batch and the accumulation add the same
@@ -71,7 +75,9 @@ def poisoned_loss(params, batch, poison):
 
 @functools.cache
 def accumulated_step(mode: str):
-    """(init, step), compiled once: jit(vmap) with an axis name, or jit(shard_map)."""
+    """(init, step), compiled once: jit(vmap) with an axis name, jit(shard_map), or jit."""
+    if mode == "jit":
+        return jit_step()
     tx = jaxaccum.multi_steps(optax.sgd(LEARNING_RATE), K_MAX, axis_name="data")
     grad_fn = jaxaccum.value_and_grad(
         poisoned_loss, axis_name="data" if mode == "shard_map" else None
@@ -101,6 +107,35 @@ def accumulated_step(mode: str):
     return init, lambda params, state, batch, poison, end: jitted(
         params, state, put_rows(batch), put_rows(poison), end
     )
+
+
+def jit_step():
+    """Plain ``jax.jit`` on an Explicit mesh: rows split over "data", no shard_map of ours."""
+    tx = jaxaccum.multi_steps(optax.sgd(LEARNING_RATE), K_MAX, axis_name="data")
+    # per device the poison is this device's entry of a [devices] array
+    loss_fn = lambda p, b, poison: poisoned_loss(p, b, poison.reshape(()))
+    grad_fn = jaxaccum.value_and_grad(loss_fn, axis_name="data")
+    mesh = jax.make_mesh((DEVICES,), ("data",))
+
+    @jax.jit
+    def step(params, state, batch, poison, end_window):
+        (loss_sum, num_items), grads = grad_fn(params, batch, poison)
+        updates, state = tx.update(
+            grads, state, params, num_items=num_items, loss_sum=loss_sum, end_window=end_window
+        )
+        return optax.apply_updates(params, updates), state
+
+    def run(params, state, batch, poison, end):
+        rows = jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)  # device-major
+        with jax.set_mesh(mesh):
+            return step(params, state, jax.device_put(rows, P("data")),
+                        jax.device_put(poison, P("data")), end)  # fmt: skip
+
+    def init(params):
+        with jax.set_mesh(mesh):
+            return jax.jit(tx.init)(jax.device_put(params, P()))
+
+    return init, run
 
 
 @jax.jit
@@ -181,7 +216,7 @@ def check_state(state, window_open_poisoned, mode):
         assert np.all(np.isfinite(np.asarray(leaf))), jax.tree_util.keystr(path)
 
 
-@pytest.mark.parametrize("mode", ["vmap", "shard_map"])
+@pytest.mark.parametrize("mode", ["vmap", "shard_map", "jit"])
 def test_any_split_gives_the_big_batch_update(mode, record_property):
     @settings(
         max_examples=MAX_EXAMPLES,

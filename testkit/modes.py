@@ -55,6 +55,7 @@ def data_parallel(
     devices: int,
     *,
     donate: bool = False,
+    loss_scaled: bool = False,
 ) -> DataParallel:
     """The README's micro-step (``value_and_grad -> update -> apply_updates``) in ``mode``.
 
@@ -67,6 +68,8 @@ def data_parallel(
         ``shard_map``, ``pmap`` or ``vmap`` (lanes with an axis name).
       devices: the number of devices (JAX's first ones).
       donate: donate params and state (``jit`` modes).
+      loss_scaled: differentiate with ``loss_scale=jaxaccum.loss_scale(state)``
+        (a ``multi_steps`` with ``loss_scaling``).
     """
     axis = None if mode in ("one_device", "gspmd") else AXIS
     tx = tx_fn(axis)
@@ -74,7 +77,8 @@ def data_parallel(
     donated = dict(donate_argnums=(0, 1)) if donate else {}
 
     def body(params, state, batch, **kw):
-        (loss_sum, num_items), grads = grad_fn(params, batch)
+        scale = jaxaccum.loss_scale(state) if loss_scaled else None
+        (loss_sum, num_items), grads = grad_fn(params, batch, loss_scale=scale)
         updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum,
                                    **kw)  # fmt: skip
         return optax.apply_updates(params, updates), state
