@@ -145,9 +145,9 @@ def part_loss_scale() -> None:
     scaling = jaxaccum.DynamicLossScale(init_scale=2.0**16, growth_interval=2)
     tx = jaxaccum.multi_steps(optax.sgd(LR), every_k_schedule=2, loss_scaling=scaling)
     x = np.ones(2, np.float16)  # two tokens per micro-batch, input 1
-    y = jnp.float32(0.25)  # residual w * x - y = 0.75 at w = 1
+    y = jnp.float32(-0.5)  # residual w * x - y = 1.5 at w = 1
 
-    def loss_fn(w):  # per-token loss (w x - y)^2 / 2: gradient 0.75 per token at w = 1
+    def loss_fn(w):  # per-token loss (w x - y)^2 / 2: gradient 1.5 per token at w = 1
         return jnp.sum(0.5 * ((w * x).astype(jnp.float32) - y) ** 2), jnp.float32(x.size)
 
     grad_fn = jaxaccum.value_and_grad(loss_fn)
@@ -164,7 +164,7 @@ def part_loss_scale() -> None:
         f" growth_interval={scaling.growth_interval}"
     )
     print(
-        f"   {'window':>6} {'scale':>7} {'fp16 micro-batch grad':>21} {'applied':>7}"
+        f"   {'window':>6} {'scale':>7} {'scaled grad, float32':>21} {'applied':>7}"
         f" {'reason':>9} {'grad_norm':>11} {'w':>8} {'next scale':>10}"
     )
     w, state, history = jnp.float16(1.0), jax.jit(tx.init)(jnp.float16(1.0)), []
@@ -184,8 +184,9 @@ def part_loss_scale() -> None:
         )
         if applied:  # unscaled once: the float32 big-batch gradient (w - y), to fp16 rounding
             applied_norms[window + 1] = f"{float(r.grad_norm):.4f}"
-            assert abs(float(r.grad_norm) - (w_before - 0.25)) <= 1e-3  # fp16: 11-bit mantissa
-    # 0.75 * 2 tokens * 2^16 = 98304 > 65504 (fp16 max): inf; at 2^15: 49152 fits
+            assert abs(float(r.grad_norm) - (w_before + 0.5)) <= 1e-3  # fp16: 11-bit mantissa
+    # the fp16 backward pass carries scale x the micro-batch's MEAN loss (GradScaler's
+    # size): 1.5 * 2^16 = 98304 > 65504 (fp16 max): inf; at 2^15: 49152 fits
     assert history == [
         (65536.0, False, 32768.0),
         (32768.0, True, 32768.0),
@@ -197,15 +198,15 @@ def part_loss_scale() -> None:
     token_grad = float(x[0]) - float(y)  # (w x - y) x at w = 1
     skipped = [i + 1 for i, (_, applied, _) in enumerate(history) if not applied]
     first, second = applied_norms
-    per_scale = token_grad * x.size  # a micro-batch's fp16 gradient over the scale
+    per_scale = token_grad  # the fp16 backward's gradient over the scale: the mean's
     whole = {  # printed as integers
         "fp16_max": fp16_max,
         "tokens_per_micro_batch": x.size,
         "init_scale": history[0][0],
-        "overflowing_sum": per_scale * history[0][0],
+        "overflowing_backward": per_scale * history[0][0],
         "overflow_window": skipped[0],
         "backoff_scale": history[0][2],
-        "fitting_sum": per_scale * history[0][2],
+        "fitting_backward": per_scale * history[0][2],
         "first_applied_window": first,
         "second_applied_window": second,
         "growth_interval": scaling.growth_interval,
@@ -220,8 +221,9 @@ def part_loss_scale() -> None:
     )
     init, backoff = history[0][0], history[0][2]
     print(
-        f"   fp16 max {fp16_max:.0f}: {token_grad:.2f} x {x.size} tokens x {init:.0f}"
-        f" = {per_scale * init:.0f} overflows, x {backoff:.0f} = {per_scale * backoff:.0f} fits"
+        f"   fp16 max {fp16_max:.0f}: the backward pass carries the mean loss's {token_grad:.2f}"
+        f" x {init:.0f} = {per_scale * init:.0f}: overflows; x {backoff:.0f}"
+        f" = {per_scale * backoff:.0f} fits (the sum's gradient, x {x.size} tokens, in float32)"
     )
     print(
         f"   an overflow at scale {init:.0f} skips the window and halves the scale;"

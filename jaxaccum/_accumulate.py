@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum import _sharding
-from jaxaccum._grad import batch_only_mesh, gather, to_reduced
+from jaxaccum._grad import batch_only_mesh, gather, own_streams, to_reduced
 from jaxaccum._normalize import normalize_window
 from jaxaccum._sharding import Layout
 from jaxaccum._state import items_dtype_for
@@ -31,6 +31,8 @@ def accumulate_gradients(
     scan the sums go through the same :func:`~jaxaccum.normalize_window` as
     :func:`jaxaccum.multi_steps`: one ``psum`` over ``axis_name`` (when given),
     one division. Only one micro-batch's activations are alive at a time.
+    Typed PRNG keys in ``microbatches`` draw one stream per device, as in
+    :func:`jaxaccum.value_and_grad`.
 
     Args:
       loss_fn: ``loss_fn(params, microbatch) -> (loss_sum, num_items)``: the
@@ -98,6 +100,7 @@ def _window(loss_fn, params, microbatches, axis_name, where, accumulator_dtype):
 
     def add_microbatch(sums, microbatch):
         grad_sum, loss_sum, num_items = sums
+        microbatch = own_streams(microbatch, axis_name)  # dropout: a mask per device
         (mb_loss, mb_items), mb_grads = value_and_grad(local_params, microbatch)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, mb_grads)
         as_sum = lambda x: jnp.asarray(x).astype(zero.dtype)

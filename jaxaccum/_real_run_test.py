@@ -144,6 +144,32 @@ def test_an_nnx_module_draws_per_device_and_keeps_its_rng_stream():
     assert int(model.drop.rngs.count[...]) == 1  # one draw per call, not one per device
 
 
+def test_the_in_step_scan_draws_a_mask_per_device_too():
+    mesh = jax.make_mesh((DEVICES,), ("data",))
+    keys = jax.random.split(jax.random.key(5), 2)  # one per micro-batch
+    halves = [{k: v[i::2] for k, v in BATCH.items()} for i in range(2)]
+    micro = {k: np.stack([h[k] for h in halves]) for k in BATCH}
+    loss_fn = lambda p, mb: regression_loss(p, mb, mb["key"])
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(micro, P(None, "data"))
+        grads, metrics = jax.jit(partial(jaxaccum.accumulate_gradients, loss_fn, axis_name="data"))(
+            jax.device_put(PARAMS, P()), {**placed, "key": jax.device_put(keys, P())}
+        )
+
+    def big_batch(p):  # device r's rows of micro-batch m, with the key that device drew
+        total = 0.0
+        for m, half in enumerate(halves):
+            for r in range(DEVICES):
+                rows = {k: v[r : r + 1] for k, v in half.items()}
+                total += regression_loss(p, rows, jax.random.fold_in(keys[m], r))[0]
+        return total / BATCH["mask"].sum()
+
+    # the window gradient itself: SGD_ATOL's reason, without the step's lr
+    np.testing.assert_allclose(jax.device_get(grads)["w"], jax.grad(big_batch)(PARAMS)["w"],
+                               atol=SGD_ATOL / LR)  # fmt: skip
+    assert float(metrics["window_items"]) == BATCH["mask"].sum()
+
+
 # -- 4. fp16 loss scaling under plain jit equals the big batch.
 
 

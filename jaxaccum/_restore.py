@@ -16,8 +16,9 @@ def restore_state(saved: Any, like: Any) -> Any:
     """A saved optimizer state laid out like ``like``, on any number of devices.
 
     ``like`` is a freshly initialized optimizer state on the new mesh (``tx.init``
-    under ``jax.set_mesh``, or under ``jax.shard_map`` with
-    :func:`jaxaccum.partition_specs`); ``saved`` is the same optimizer's state as
+    under ``jax.set_mesh``, under ``jax.shard_map`` with
+    :func:`jaxaccum.partition_specs`, or ``nnx.state(optimizer)`` of a fresh
+    ``nnx.Optimizer``); ``saved`` is the same optimizer's state as
     saved: arrays or numpy (``jax.device_get``, or Orbax's restore with or
     without a target, whose NamedTuples come back as dicts), from any device
     count. Every leaf is copied into ``like``'s sharding, except the open
@@ -49,7 +50,7 @@ def restore_state(saved: Any, like: Any) -> Any:
     """
     saved_leaves = {_key(path): leaf for path, leaf in _leaves_with_paths(saved)}
     like_leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
-    sums = _window_sum_paths(like)
+    sums = _window_sum_paths([_key(path) for path, _ in like_leaves])
     restored = []
     for path, target in like_leaves:
         key = _key(path)
@@ -86,17 +87,17 @@ def _key(path: tuple) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _window_sum_paths(like: Any) -> set[tuple[str, ...]]:
-    """The paths of every window-sum leaf of every ``MultiStepsState`` in ``like``."""
-    is_state = lambda x: isinstance(x, MultiStepsState)
-    found = set()
-    for state_path, node in jax.tree_util.tree_flatten_with_path(like, is_leaf=is_state)[0]:
-        if not is_state(node):
-            continue
-        for field in _WINDOW_SUMS:
-            for path, _ in _leaves_with_paths(getattr(node, field)):
-                found.add(_key(state_path) + (field,) + _key(path))
-    return found
+def _window_sum_paths(keys: list[tuple[str, ...]]) -> set[tuple[str, ...]]:
+    """The window-sum leaves among ``keys``: under a ``MultiStepsState``, as a NamedTuple
+    or as the dict that ``nnx.state`` and Orbax make of it (found by its field names)."""
+    marker = MultiStepsState._fields[0]  # "window_step": a leaf of every such state
+    states = {key[:i] for key in keys for i, name in enumerate(key) if name == marker}
+    return {
+        key
+        for key in keys
+        for i, name in enumerate(key)
+        if name in _WINDOW_SUMS and key[:i] in states
+    }
 
 
 def _same(value: np.ndarray, target: Any, where: str) -> np.ndarray:
