@@ -93,10 +93,6 @@ def tree_bytes(tree: Any) -> int:
     return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
-def param_count(tree: Any) -> int:
-    return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
-
-
 # ----------------------------------------------------------------------------
 # Markdown.
 

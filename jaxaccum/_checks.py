@@ -90,15 +90,6 @@ def scalar(
             raise ValueError(f"{where}: `{name}` must be {expected}; got {concrete!r}.")
 
 
-def positive_int(value: Any, name: str, *, where: str) -> int:
-    """A Python int >= 1 (a bool or an integral float is refused)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: `{name}` must be an int >= 1; got {_describe(value)}.")
-    if value < 1:
-        raise ValueError(f"{where}: `{name}` must be an int >= 1; got {value}.")
-    return int(value)
-
-
 def one_of(value: Any, name: str, choices: tuple[Any, ...], *, where: str) -> None:
     if not any(value is c or (isinstance(value, str) and value == c) for c in choices):
         options = " or ".join(repr(c) for c in choices)

@@ -365,8 +365,8 @@ def check_grads(grads: Any, grad_sum: Any, axis_name: AxisName, where: Layout) -
             if not _same_spec(spec_of(g), arrival_spec(s, jnp.ndim(g), axis_name), jnp.ndim(g)):
                 raise ValueError(
                     f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path)} has type"
-                    f" {jax.typeof(g)}; to join its window sum with no collective it needs"
-                    f" the sharding {arrival_spec(s, jnp.ndim(g), axis_name)}. Under jax.jit on an"
+                    f" {jax.typeof(g)}; to join its window sum with no collective it must be"
+                    f" {_spec_words(arrival_spec(s, jnp.ndim(g), axis_name))}. Under jax.jit on an"
                     " Explicit mesh, take the gradients with"
                     f" jaxaccum.value_and_grad(loss_fn, axis_name={axis_name!r}): it keeps each"
                     " device's gradient a partial sum (unreduced, no all-reduce per micro-step);"
@@ -382,6 +382,12 @@ def arrival_spec(window_sum: jax.Array, ndim: int, axis_name: AxisName) -> P:
     if window_sum.ndim == ndim + 1:  # rows: a partial sum, unreduced over the axis
         return rebuild(P(*spec.partitions[1:]), unreduced=frozenset(axes(axis_name)))
     return spec  # FSDP: sharded like the parameter
+
+
+def _spec_words(spec: P) -> str:
+    """A spec in words, the same on every JAX version (their reprs differ)."""
+    words = f"split as {tuple(spec.partitions)}"
+    return words + (f", unreduced over {sorted(spec.unreduced)}" if spec.unreduced else "")
 
 
 def _same_spec(a: P, b: P, ndim: int) -> bool:
