@@ -11,12 +11,20 @@ PYTHON_LATEST ?= $(shell p=$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python
 VENV_LATEST := .venv-latest
 STAMP_LATEST := $(VENV_LATEST)/.installed
 
+# The wheel installs jaxaccum, torch_ref and bigbatch; the repository's own packages
+# (tinygpt, testkit, parity_tests, benchmarks) are put on the environment's path by a
+# .pth file naming this clone, as an editable install does for the others.
+define repository_on_path
+	echo "$(CURDIR)" > "$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/jaxaccum-repository.pth"
+endef
+
 .PHONY: demo test test-fast test-latest lint parity bench fuzz clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[torch,flax,hf,test]'
+	$(call repository_on_path,$(PY))
 	touch $(STAMP)
 
 # The main job: the quick parity report (JAX vs PyTorch vs the big batch, and
@@ -36,6 +44,7 @@ $(STAMP_LATEST): pyproject.toml constraints-latest.txt
 	test -x $(VENV_LATEST)/bin/python || $(PYTHON_LATEST) -m venv $(VENV_LATEST)
 	$(VENV_LATEST)/bin/python -m pip install -q --upgrade pip
 	$(VENV_LATEST)/bin/python -m pip install -q -c constraints-latest.txt -e '.[flax,test]'
+	$(call repository_on_path,$(VENV_LATEST)/bin/python)
 	touch $(STAMP_LATEST)
 
 # Every test that does not need torch, on the newest JAX/Flax/NumPy (torch's skip).

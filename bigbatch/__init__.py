@@ -11,11 +11,11 @@ loss per cell. The method and its limits: ``docs/audit.md``.
     layout = layout_rows(row_items, k=4, num_devices=2)
     check_sums(loss_sum, num_items, row_losses, row_items)  # the loss adds up over rows
     check_layout(layout)                           # the rows can tell the bugs apart
-    report = audit_update(update, cell_grads, layout, learning_rate=1.0,
-                          big_batch_update=big_batch_update)
+    products = cell_products(cell_grad, update, layout, learning_rate=1.0)  # streamed
+    report = audit_update(products, layout, learning_rate=1.0)
     assert report.passed, report
 
-Imports numpy only.
+Imports numpy (and tqdm for the progress bar) only.
 """
 
 from bigbatch._fit import (
@@ -42,16 +42,19 @@ from bigbatch._forms import (
     checkable_forms,
     form_weights,
 )
-from bigbatch._layout import Layout, layout_rows, tail_microbatches
-from bigbatch._records import RECORD_KEYS, SkipReason
+from bigbatch._layout import CellLayout, layout_rows, tail_microbatches
+from bigbatch._products import CELL_MEMORY, CellProducts, cell_products
+from bigbatch._records import IGNORE_INDEX, RECORD_KEYS, SkipReason
 from bigbatch._report import UNKNOWN, AuditReport
 
 __all__ = [
     "BUG_NAMES",
+    "CELL_MEMORY",
     "EXACT",
     "FIXES",
     "FORMULAS",
     "FORM_NAMES",
+    "IGNORE_INDEX",
     "ITEMS_RTOL",
     "LOSS_RTOL",
     "MAX_CONDITION",
@@ -63,13 +66,15 @@ __all__ = [
     "WEIGHT_RTOL",
     "WHAT_IT_DOES",
     "AuditReport",
-    "Layout",
+    "CellLayout",
+    "CellProducts",
     "SkipReason",
     "audit_update",
     "check_layout",
     "check_precision",
     "check_sums",
     "check_window",
+    "cell_products",
     "checkable_forms",
     "form_weights",
     "layout_rows",

@@ -7,8 +7,10 @@ the cells' summed losses (``_forms.py``)::
     -delta / lr = sum_c w_c G_c + e
 
 so the weights are a least-squares fit (float64) over the cells that hold
-items, and the residual ``|e| / |delta / lr|`` says whether the loop is a
-reweighting at all. The weights are then compared with each known form.
+items, computed from the cells' inner products (``_products.py``: memory of
+the parameters' size, whatever the number of cells), and the residual
+``|e| / |delta / lr|`` says whether the loop is a reweighting at all. The
+weights are then compared with each known form.
 
 Tolerances (relative), and why:
 
@@ -36,12 +38,14 @@ Tolerances (relative), and why:
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
 
 from bigbatch._forms import EXACT, FIXED_DIVISOR_TAIL, checkable_forms, form_weights
-from bigbatch._layout import Layout
+from bigbatch._layout import CellLayout
+from bigbatch._products import CellProducts
 from bigbatch._report import UNKNOWN, AuditReport
 
 RESIDUAL_RTOL = 1e-3
@@ -89,7 +93,7 @@ def check_window(*, k: object, num_devices: object, learning_rate: object, short
         )
 
 
-def check_layout(layout: Layout) -> tuple[str, ...]:
+def check_layout(layout: CellLayout) -> tuple[str, ...]:
     """The forms the layout can tell apart; raises when its cells are too alike.
 
     Every bug that some window of this shape separates from the big batch must
@@ -193,98 +197,70 @@ def check_sums(
 
 
 def audit_update(
-    update: np.ndarray,
-    cell_grads: np.ndarray,
-    layout: Layout,
+    products: CellProducts,
+    layout: CellLayout,
     *,
     learning_rate: float,
-    big_batch_update: np.ndarray,
-    rounding: float = 0.0,
+    params_rounding: float = 0.0,
 ) -> AuditReport:
     """Fits the weights a loop gave each cell, and names the form they have.
 
     .. math::
 
-       w = \\arg\\min_w \\Big| -\\frac{\\delta}{lr} - \\sum_c w_c G_c \\Big|,\\qquad
-       \\mathrm{residual} = \\frac{|{-\\delta}/lr - G w|}{|\\delta / lr|}
+       w = \\frac{1}{N} + A^{-1} G^T d, \\qquad
+       \\mathrm{residual} = \\frac{\\sqrt{|d|^2 - d^T G A^{-1} G^T d}}{|\\delta / lr|}
 
-    over the cells with items, in float64; the verdict is the first form of
+    the least-squares weights of ``-delta / lr = G w + e`` over the cells with
+    items, from the products of :func:`cell_products` (``A = G^T G``, ``d`` the
+    update's deviation from the big batch's); the verdict is the first form of
     ``check_layout(layout)`` whose weights are within ``WEIGHT_RTOL`` of
     ``w N`` in every such cell, provided the residual is at most
     ``RESIDUAL_RTOL``, else ``"unknown"``.
 
     Args:
-      update: ``[P]`` the loop's parameter change ``new - old``, flattened.
-      cell_grads: ``[R, k_window, P]`` the gradient of each cell's summed loss
-        (zero for a cell without items), flattened like ``update``.
-      layout: the :class:`bigbatch.Layout` the loop was fed.
+      products: the :class:`CellProducts` of the loop's update and the cells.
+      layout: the :class:`bigbatch.CellLayout` the loop was fed.
       learning_rate: the SGD learning rate the loop was given.
-      big_batch_update: ``[P]`` the big batch's update ``-lr * sum_c G_c / N``.
-      rounding: the relative rounding of reading the update back (for the
-        report; see :func:`check_precision`).
+      params_rounding: ``|eps(dtype) * params|``, the rounding of reading the
+        update back as ``new - old`` (:func:`check_precision` refuses an update
+        too small for it).
 
     Returns:
       An :class:`AuditReport`.
 
     Example:
       >>> import numpy as np
-      >>> from bigbatch import layout_rows
+      >>> from bigbatch import cell_products, layout_rows
       >>> layout = layout_rows(np.array([3.0, 1.0]), k=2, num_devices=1)  # items [[1, 3]]
-      >>> grads = np.array([[[1.0, 0.0], [0.0, 3.0]]])  # cell gradients, [R=1, k=2, P=2]
+      >>> grads = {(0, 0): [np.array([1.0, 0.0])], (0, 1): [np.array([0.0, 3.0])]}
       >>> # a mean of means, lr 1: -(G_0 / (2 * 1) + G_1 / (2 * 3))
-      >>> report = audit_update(np.array([-0.5, -0.5]), grads, layout, learning_rate=1.0,
-      ...                       big_batch_update=np.array([-0.25, -0.75]))
+      >>> products = cell_products(lambda r, m: grads[r, m], [np.array([-0.5, -0.5])],
+      ...                          layout, learning_rate=1.0, progress=False)
+      >>> report = audit_update(products, layout, learning_rate=1.0)
       >>> report.verdict, report.weights.round(4).tolist()  # in units of 1/N = 1/4
       ('mean_of_means', [[2.0, 0.6667]])
     """
-    items = layout.items
-    update = np.asarray(update, np.float64).reshape(-1)
-    cell_grads = np.asarray(cell_grads, np.float64)
-    if cell_grads.shape != items.shape + update.shape:
-        raise ValueError(
-            f"cell_grads: expected shape {items.shape + update.shape} (devices, micro-batches,"
-            f" parameters), got {cell_grads.shape}"
-        )
-    big_batch_update = np.asarray(big_batch_update, np.float64).reshape(-1)
     forms = check_layout(layout)
-    full = items > 0
-    total = items.sum()
-    target = -update / learning_rate  # the gradient the loop applied
-    columns = cell_grads[full].T  # [P, cells with items]
-    singular = np.linalg.svd(columns, compute_uv=False)
-    condition = float(singular[0] / singular[-1]) if singular[-1] > 0 else np.inf
-    if columns.shape[1] > columns.shape[0] or not condition <= MAX_CONDITION:
-        raise ValueError(
-            f"batch: the gradients of its {columns.shape[1]} cells with items are (nearly) linearly"
-            f" dependent (condition number {condition:.3g}, at most {MAX_CONDITION:g}): the weights"
-            " cannot be told apart; use rows that differ, or a model with more parameters"
-        )
-    weights = np.full(items.shape, np.nan)
-    residual = np.inf  # a NaN or inf update: nothing to fit, and every number says so
-    if np.all(np.isfinite(target)):
-        fitted = np.linalg.lstsq(columns, target, rcond=None)[0]
-        norm = np.linalg.norm(target)
-        residual = float(np.linalg.norm(target - columns @ fitted) / norm) if norm > 0 else 0.0
-        weights[full] = fitted * total
+    total = float(layout.items.sum())
+    condition = _condition(products.gram)
+    big_batch = math.sqrt(max(float(products.gram.sum()), 0.0)) / total  # |sum_c G_c| / N
+    rounding = params_rounding / (learning_rate * big_batch) if big_batch > 0 else math.inf
+    check_precision(rounding, learning_rate)
+    weights, residual = _fit(products, layout.items)
     with np.errstate(invalid="ignore"):
-        errors = {
-            name: float(
-                np.max(np.abs(weights[full] / form_weights(name, items, k=layout.k)[full] - 1))
-            )
-            for name in forms
-        }
+        errors = {name: _form_error(weights, layout, name) for name in forms}
     is_reweighting = residual <= RESIDUAL_RTOL
     matches = tuple(name for name in forms if is_reweighting and errors[name] <= WEIGHT_RTOL)
-    big_norm = np.linalg.norm(big_batch_update)
+    full = layout.items > 0
     weights.flags.writeable = False
     return AuditReport(
         verdict=matches[0] if matches else UNKNOWN,
         weights=weights,
-        items=items,
+        items=layout.items,
         residual=residual,
-        scale=float(np.sum(items[full] * weights[full]) / total),
+        scale=float(np.sum(layout.items[full] * weights[full]) / total),
         max_weight_error=errors[EXACT],
-        update_error=float(np.linalg.norm(update - big_batch_update) / big_norm),
+        update_error=products.deviation_norm / big_batch,
         form_errors=errors,
         matches=matches,
         k=layout.k,
@@ -293,4 +269,45 @@ def audit_update(
         weight_tolerance=WEIGHT_RTOL,
         rounding=float(rounding),
         left_out_rows=int(layout.left_out.size),
+    )
+
+
+def _condition(gram: np.ndarray) -> float:
+    """The condition number of the cells' gradients, ``sqrt`` of their Gram matrix's;
+    refuses cells whose gradients cannot be told apart."""
+    eigenvalues = np.linalg.eigvalsh(gram)
+    condition = math.sqrt(eigenvalues[-1] / eigenvalues[0]) if eigenvalues[0] > 0 else math.inf
+    if not condition <= MAX_CONDITION:
+        raise ValueError(
+            f"batch: the gradients of its {len(gram)} cells with items are (nearly) linearly"
+            f" dependent (condition number {condition:.3g}, at most {MAX_CONDITION:g}): the weights"
+            " cannot be told apart; use rows that differ, or a model with more parameters"
+        )
+    return condition
+
+
+def _fit(products: CellProducts, items: np.ndarray) -> tuple[np.ndarray, float]:
+    """The weights in units of ``1/N`` (NaN for cells without items) and the relative residual.
+
+    A NaN or inf update has nothing to fit: NaN weights, an infinite residual. No
+    update at all: zero weights, residual 0.
+    """
+    weights = np.full(items.shape, np.nan)
+    cell = tuple(products.cells.T)
+    if not math.isfinite(products.deviation_norm):
+        return weights, math.inf
+    if products.update_norm == 0:
+        weights[cell] = 0.0
+        return weights, 0.0
+    shift = np.linalg.solve(products.gram, products.deviation)  # w - 1/N
+    weights[cell] = 1.0 + float(items.sum()) * shift
+    unexplained = products.deviation_norm**2 - float(products.deviation @ shift)
+    return weights, math.sqrt(max(unexplained, 0.0)) / products.update_norm
+
+
+def _form_error(weights: np.ndarray, layout: CellLayout, name: str) -> float:
+    """The largest relative error of the fitted weights against one form's, over full cells."""
+    full = layout.items > 0
+    return float(
+        np.max(np.abs(weights[full] / form_weights(name, layout.items, k=layout.k)[full] - 1))
     )

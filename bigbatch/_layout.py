@@ -49,7 +49,7 @@ class WindowShape:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Layout(WindowShape):
+class CellLayout(WindowShape):
     """A window of the user's rows: ``R`` devices x ``k_window`` micro-batches x ``p`` rows.
 
     Attributes:
@@ -82,7 +82,7 @@ class Layout(WindowShape):
 
 def layout_rows(
     row_items: np.ndarray, *, k: int, num_devices: int, short_window: bool = False
-) -> Layout:
+) -> CellLayout:
     """Lays the rows out so that the cells differ strongly in items.
 
     Sorted by items, the rows are cut into ``C = R * k_window`` consecutive
@@ -98,7 +98,7 @@ def layout_rows(
         micro-batches instead of ``k``.
 
     Returns:
-      A :class:`Layout`.
+      A :class:`CellLayout`.
 
     Example:
       >>> import numpy as np
@@ -133,6 +133,6 @@ def layout_rows(
     rows = np.empty((num_devices, k_window, per_cell), np.int64)
     for rank, device in enumerate(device_order):
         rows[device] = blocks[rank * k_window : (rank + 1) * k_window]
-    return Layout(
+    return CellLayout(
         rows=rows, items=row_items[rows].sum(axis=-1), k=int(k), left_out=left_out.astype(np.int64)
     )

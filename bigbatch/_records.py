@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import enum
 
+IGNORE_INDEX = -100
+"""The label of a position that carries no loss (prompt, padding): PyTorch's and Hugging
+Face's convention, and the default ``ignore_index`` of both frameworks' losses."""
+
 
 class SkipReason(enum.IntEnum):
     """Why a window was or was not applied (a record's ``skip_reason``)."""

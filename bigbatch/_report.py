@@ -27,10 +27,11 @@ class AuditReport(WindowShape):
     Example:
       >>> import numpy as np, bigbatch
       >>> layout = bigbatch.layout_rows(np.array([3.0, 1.0]), k=2, num_devices=1)
-      >>> grads = np.array([[[1.0, 0.0], [0.0, 3.0]]])  # the gradients of the 2 cells
-      >>> report = bigbatch.audit_update(  # a loop that gave the cells their big-batch 1/4
-      ...     -(grads[0, 0] + grads[0, 1]) / 4, grads, layout, learning_rate=1.0,
-      ...     big_batch_update=-(grads[0, 0] + grads[0, 1]) / 4)
+      >>> grads = [np.array([1.0, 0.0]), np.array([0.0, 3.0])]  # the 2 cells' gradients
+      >>> update = -(grads[0] + grads[1]) / 4  # the big batch's: every item weighs 1/4
+      >>> products = bigbatch.cell_products(lambda r, m: [grads[m]], [update], layout,
+      ...                                   learning_rate=1.0, progress=False)
+      >>> report = bigbatch.audit_update(products, layout, learning_rate=1.0)
       >>> report.passed, report.summary()
       (True, 'PASSED, exact: your loop weighs every item like the big batch (within 0.0e+00)')
 

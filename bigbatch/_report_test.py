@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 
 import bigbatch
+from bigbatch._fit_test import audit_of
 
 
 def report_of(weights: np.ndarray, items: np.ndarray, k: int) -> bigbatch.AuditReport:
     """The report of a loop that weighs each cell by ``weights`` (units of 1/N), exactly."""
-    layout = bigbatch.Layout(
+    layout = bigbatch.CellLayout(
         rows=np.arange(items.size).reshape(items.shape + (1,)), items=items, k=k,
         left_out=np.zeros(0, np.int64),
     )  # fmt: skip
     grads = np.random.default_rng(0).normal(size=items.shape + (4 * items.size,))
     grads[items == 0] = 0.0
     gradient = np.einsum("rm,rmp->p", np.nan_to_num(weights), grads) / items.sum()
-    big = -grads.sum(axis=(0, 1)) / items.sum()
-    return bigbatch.audit_update(-gradient, grads, layout, learning_rate=1.0, big_batch_update=big)
+    return audit_of(-gradient, grads, layout, 1.0)
 
 
 ITEMS = np.array([[3.0, 5.0, 2.0, 7.0], [4.0, 1.0, 6.0, 9.0]])
@@ -81,10 +81,10 @@ def test_assert_report_passed_reads_well_in_a_users_pytest(tmp_path):
 
         def test_my_loop():
             layout = bigbatch.layout_rows(np.array([3.0, 1.0]), k=2, num_devices=1)
-            grads = np.array([[[1.0, 0.0], [0.0, 3.0]]])
-            report = bigbatch.audit_update(
-                np.array([-0.5, -0.5]), grads, layout, learning_rate=1.0,
-                big_batch_update=np.array([-0.25, -0.75]))
+            grads = [np.array([1.0, 0.0]), np.array([0.0, 3.0])]
+            products = bigbatch.cell_products(
+                lambda r, m: [grads[m]], [np.array([-0.5, -0.5])], layout, learning_rate=1.0)
+            report = bigbatch.audit_update(products, layout, learning_rate=1.0)
             assert report.passed, report
     """)
     )

@@ -81,8 +81,6 @@ def run_main(main: Callable[[], int]) -> str:
 def lesson(number: str) -> Run:
     """Runs lesson ``number`` (``"01"``...) once; its ``HEADLINE`` and its output."""
     (path,) = [p for p in LESSONS if p.name.startswith(f"{number}_")]
-    if str(EXAMPLES) not in sys.path:  # the lessons import _common
-        sys.path.insert(0, str(EXAMPLES))
     module = _load(path, f"lesson_{path.stem}")
     output = run_main(module.main)
     headline = getattr(module, "HEADLINE", None)
@@ -93,8 +91,6 @@ def lesson(number: str) -> Run:
 
 def load_flax_lm(name: str):
     """``examples/flax_lm/<name>.py`` as a module (``train.py`` imports ``_report``)."""
-    if str(FLAX_LM) not in sys.path:  # as `python examples/flax_lm/train.py` would put it
-        sys.path.insert(0, str(FLAX_LM))
     return _load(FLAX_LM / f"{name}.py", f"flax_lm_{name}")
 
 

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum import _sharding
-from jaxaccum._grad import batch_only_mesh, gather, own_streams, to_reduced
+from jaxaccum._grad import batch_only_mesh, gather
+from jaxaccum._grad import value_and_grad as jaxaccum_value_and_grad
 from jaxaccum._normalize import normalize_window
-from jaxaccum._sharding import Layout
+from jaxaccum._sharding import Placement
 from jaxaccum._state import items_dtype_for
 
 
@@ -59,12 +60,11 @@ def accumulate_gradients(
       >>> float(grads), float(metrics['loss'])  # (3 * -2 + 1 * -10) / 4, (3 * 1 + 25) / 4
       (-4.0, 7.0)
     """
-    where = _sharding.layout(axis_name)
-    if where is Layout.EXPLICIT and batch_only_mesh(axis_name):
+    placement = _sharding.placement(axis_name)
+    if placement is Placement.EXPLICIT and batch_only_mesh(axis_name):
         # under jit, every mesh axis a batch axis: the per-device scan in a shard_map
         def per_device(params, microbatches):
-            return _window(loss_fn, params, microbatches, axis_name, Layout.PER_DEVICE,
-                           accumulator_dtype)  # fmt: skip
+            return _window(loss_fn, params, microbatches, axis_name, accumulator_dtype)
 
         gathered = jax.tree.map(gather, params)  # FSDP leaves: all-gathered
         in_specs = (
@@ -76,7 +76,7 @@ def accumulate_gradients(
         )
         totals = totals._replace(grads=jax.tree.map(_sharding.like, totals.grads, params))
     else:
-        totals = _window(loss_fn, params, microbatches, axis_name, where, accumulator_dtype)
+        totals = _window(loss_fn, params, microbatches, axis_name, accumulator_dtype)
     grads = jax.tree.map(lambda g, p: g.astype(jnp.result_type(p)), totals.grads, params)
     metrics = {
         "loss": totals.loss,
@@ -86,37 +86,34 @@ def accumulate_gradients(
     return grads, metrics
 
 
-def _window(loss_fn, params, microbatches, axis_name, where, accumulator_dtype):
-    """The scan over the micro-batches and the window's normalization."""
-    value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-    # Differentiate per device (parameters cast to varying under shard_map, to
-    # reduced under jit): with respect to replicated ones JAX would reduce every
-    # micro-batch's gradient; here the only reduction is the one after the scan.
-    local_params = params
-    if where is Layout.PER_DEVICE:
-        local_params = jax.lax.pcast(params, axis_name, to="varying")
-    elif where is Layout.EXPLICIT:
-        local_params = to_reduced(params, axis_name)
+def _window(loss_fn, params, microbatches, axis_name, accumulator_dtype):
+    """The scan over the micro-batches, the one reduction and the window's normalization.
+
+    Each micro-batch is differentiated per device (:func:`jaxaccum.value_and_grad`),
+    so the only reduction is the one after the scan.
+    """
+    placement = _sharding.placement(axis_name)
+    value_and_grad = jaxaccum_value_and_grad(loss_fn, axis_name=axis_name)
+    items_dtype = items_dtype_for(accumulator_dtype)  # counts stay exact
 
     def add_microbatch(sums, microbatch):
         grad_sum, loss_sum, num_items = sums
-        microbatch = own_streams(microbatch, axis_name)  # dropout: a mask per device
-        (mb_loss, mb_items), mb_grads = value_and_grad(local_params, microbatch)
+        (mb_loss, mb_items), mb_grads = value_and_grad(params, microbatch)
         grad_sum = jax.tree.map(lambda s, g: s + g.astype(s.dtype), grad_sum, mb_grads)
-        as_sum = lambda x: jnp.asarray(x).astype(zero.dtype)
+        as_sum = lambda x: jnp.asarray(x).astype(items_dtype)
         return (grad_sum, loss_sum + as_sum(mb_loss), num_items + as_sum(mb_items)), None
-
-    zero = jnp.zeros((), items_dtype_for(accumulator_dtype))  # counts stay exact
 
     def grad_zero(p):
         zeros = jnp.zeros(jnp.shape(p), accumulator_dtype)
-        if where is Layout.EXPLICIT:  # partial sums, unreduced over the axis
+        if placement is Placement.EXPLICIT:  # partial sums, unreduced over the axis
             return jax.reshard(zeros, _sharding.unreduced_spec(p, axis_name))
         return zeros
 
+    zero = jnp.zeros((), items_dtype)
     zeros = (jax.tree.map(grad_zero, params), zero, zero)
-    if where is Layout.PER_DEVICE:
+    if placement is Placement.PER_DEVICE:
         # The sums vary across devices: declare it, so the scan carry type is stable.
         zeros = jax.tree.map(lambda x: jax.lax.pcast(x, axis_name, to="varying"), zeros)
-    (grad_sum, loss_sum, num_items), _ = jax.lax.scan(add_microbatch, zeros, microbatches)
-    return normalize_window(grad_sum, loss_sum, num_items, axis_name=axis_name)
+    sums, _ = jax.lax.scan(add_microbatch, zeros, microbatches)
+    grad_sum, loss_sum, num_items = _sharding.reduce_over_devices(sums, axis_name)
+    return normalize_window(grad_sum, loss_sum, num_items, global_norm=_sharding.global_norm)

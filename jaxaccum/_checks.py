@@ -15,11 +15,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
 from jaxaccum import _sharding
+from jaxaccum._sharding import AxisName, Placement
 from jaxaccum._state import MultiStepsState
-
-AxisName = str | tuple[str, ...]
 
 
 def _dtype_of(value: Any) -> np.dtype | None:
@@ -239,7 +240,7 @@ def grads(grads: Any, grad_sum: Any, *, per_device: bool, rows: bool = False) ->
 
 
 def update_call(
-    grads_value, state, num_items_value, loss_sum, end_window, extra_args, layout, axis_name
+    grads_value, state, num_items_value, loss_sum, end_window, extra_args, placement, axis_name
 ) -> None:
     """Refuses a bad call before anything is computed: the state is never touched."""
     where = "multi_steps.update"
@@ -260,22 +261,108 @@ def update_call(
     grads(
         grads_value,
         state.grad_sum,
-        per_device=layout is _sharding.Layout.PER_DEVICE,
-        rows=layout is _sharding.Layout.EXPLICIT,
+        per_device=placement is Placement.PER_DEVICE,
+        rows=placement is Placement.EXPLICIT,
     )
-    if layout is _sharding.Layout.PER_DEVICE:
-        _sharding.check_axis_bound(axis_name)
-        others = _sharding.other_manual_axes(axis_name)
-        if others and not _sharding.vma_checked(axis_name):
+    if placement is Placement.PER_DEVICE:
+        _axis_bound(axis_name)
+        _block_norms_visible(axis_name)
+        _grads_not_summed(grads_value, axis_name)
+    elif placement is Placement.EXPLICIT:
+        _grads_join_without_collective(grads_value, state.grad_sum, axis_name)
+
+
+def _axis_bound(axis_name: AxisName) -> None:
+    for name in _sharding.axes(axis_name):
+        try:
+            jax.lax.axis_size(name)
+        except NameError:
+            raise NameError(
+                f"multi_steps: axis_name {name!r} is not bound here: call update inside"
+                " jax.jit on a mesh with that axis (jax.set_mesh), jax.shard_map over it or"
+                " jax.pmap(..., axis_name=...), or build multi_steps without axis_name."
+            ) from None
+
+
+def _vma_checked(axis_name: AxisName) -> bool:
+    """Under ``shard_map``: whether JAX tracks which values vary over the axis."""
+    index = jax.lax.axis_index(axis_name)
+    return frozenset(_sharding.axes(axis_name)) <= _sharding.varying_axes(index)
+
+
+def _block_norms_visible(axis_name: AxisName) -> None:
+    """Under ``shard_map`` on a mesh with other axes, vma checking must be on: it tells
+    which gradients are blocks of a parameter sharded over them (for the global norm)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    others = [
+        a
+        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+        if t == AxisType.Manual and a not in _sharding.axes(axis_name) and mesh.shape[a] > 1
+    ]
+    if others and not _vma_checked(axis_name):
+        raise ValueError(
+            f"multi_steps.update: under shard_map with check_vma=False on a mesh with other axes"
+            f" ({others}), multi_steps cannot tell which gradients are blocks of a"
+            " parameter sharded over them, so the window's gradient norm (clipping, the"
+            " skip of a non-finite window) would be one device's block. Use"
+            " check_vma=True (shard_map's default)."
+        )
+
+
+def _grads_not_summed(grads: Any, axis_name: AxisName) -> None:
+    """Per device: refuses gradients that autodiff already summed over the devices.
+
+    With vma checking (``shard_map``'s default) the gradient with respect to
+    replicated parameters of a per-device loss is summed over the axis on every
+    micro-step; the boundary's ``psum`` would then count every device ``R``
+    times, whatever ``num_items`` is. Such a leaf does not vary over the axis.
+    Without vma checking (``check_vma=False``, ``pmap``) autodiff does not sum.
+    """
+    batch_axes = frozenset(_sharding.axes(axis_name))
+    if not _vma_checked(axis_name):
+        return
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        if not batch_axes <= _sharding.varying_axes(g):
             raise ValueError(
-                f"{where}: under shard_map with check_vma=False on a mesh with other axes"
-                f" ({others}), multi_steps cannot tell which gradients are blocks of a"
-                " parameter sharded over them, so the window's gradient norm (clipping, the"
-                " skip of a non-finite window) would be one device's block. Use"
-                " check_vma=True (shard_map's default)."
+                f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path)} is already"
+                f" summed over {sorted(batch_axes)} (it does not vary over the axis): the window's"
+                f" sum would count every device {jax.lax.axis_size(axis_name)} times."
+                " Inside shard_map, take per-device gradients:"
+                f" jaxaccum.value_and_grad(loss_fn, axis_name={axis_name!r}) differentiates"
+                f" with respect to jax.lax.pcast(params, {axis_name!r}, to='varying'); the"
+                " window's single psum happens at the boundary."
             )
-    if layout is not _sharding.Layout.GLOBAL:
-        _sharding.check_grads(grads_value, state.grad_sum, axis_name, layout)
+
+
+def _grads_join_without_collective(grads: Any, grad_sum: Any, axis_name: AxisName) -> None:
+    """Under ``jit``: each leaf must be unreduced over the axis, or sharded like its sum
+    (FSDP). A replicated gradient was all-reduced already this micro-step."""
+    leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
+    for (path, g), window_sum in zip(leaves, jax.tree.leaves(grad_sum), strict=True):
+        expected = _sharding.arrival_spec(window_sum, jnp.ndim(g), axis_name)
+        if not _same_spec(_sharding.spec_of(g), expected, jnp.ndim(g)):
+            raise ValueError(
+                f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path)} has type"
+                f" {jax.typeof(g)}; to join its window sum with no collective it must be"
+                f" {_spec_words(expected)}. Under jax.jit on an"
+                " Explicit mesh, take the gradients with"
+                f" jaxaccum.value_and_grad(loss_fn, axis_name={axis_name!r}): it keeps each"
+                " device's gradient a partial sum (unreduced, no all-reduce per micro-step);"
+                " and make the state with tx.init under the same mesh. A replicated gradient"
+                " was all-reduced already: for that (GSPMD) path build multi_steps without"
+                " axis_name."
+            )
+
+
+def _spec_words(spec: P) -> str:
+    """A spec in words, the same on every JAX version (their reprs differ)."""
+    words = f"split as {tuple(spec.partitions)}"
+    return words + (f", unreduced over {sorted(spec.unreduced)}" if spec.unreduced else "")
+
+
+def _same_spec(a: P, b: P, ndim: int) -> bool:
+    pad = lambda spec: tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
+    return (pad(a), a.unreduced, a.reduced) == (pad(b), b.unreduced, b.reduced)
 
 
 def raise_if_nonfinite(overflow, micro_step, loss, grad_norm) -> None:

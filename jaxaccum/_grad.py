@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum import _sharding
-from jaxaccum._sharding import AxisName, Layout
+from jaxaccum._sharding import AxisName, Placement
 
 
 def value_and_grad(
@@ -144,7 +144,7 @@ def own_streams(tree: Any, axis_name: AxisName | None) -> Any:
     same step under plain ``jit`` draws distinct rows. Outside a per-device
     context, or without ``axis_name``, ``tree`` is returned as it is.
     """
-    if axis_name is None or _sharding.layout(axis_name) is not Layout.PER_DEVICE:
+    if axis_name is None or _sharding.placement(axis_name) is not Placement.PER_DEVICE:
         return tree
     try:
         index = jax.lax.axis_index(axis_name)
@@ -191,14 +191,14 @@ def _differentiate(objective, params, args, axis_name):
         grads, (values, extra) = jax.grad(objective, has_aux=True)(params, loss_scale, *args)
         return unscaled_to_sum(grads, values[1], loss_scale, values[0]), (values, extra)
 
-    where = _sharding.layout(axis_name)
-    if where is Layout.PER_DEVICE:
+    where = _sharding.placement(axis_name)
+    if where is Placement.PER_DEVICE:
         # cast first, then differentiate: the gradient with respect to the cast
         # parameters is the per-device one (a cast inside would transpose to a sum)
         return grad(jax.lax.pcast(params, axis_name, to="varying"), *args)
-    if where is Layout.EXPLICIT and not batch_only_mesh(axis_name):
+    if where is Placement.EXPLICIT and not batch_only_mesh(axis_name):
         return grad(to_reduced(params, axis_name), *args)
-    if where is Layout.EXPLICIT:
+    if where is Placement.EXPLICIT:
         return _per_device_under_jit(grad, params, args, axis_name)
     return grad(params, *args)
 

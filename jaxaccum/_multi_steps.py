@@ -1,14 +1,16 @@
 """`multi_steps`: an Optax wrapper whose accumulated update is the big-batch update.
 
 Like ``optax.MultiSteps`` it turns ``k`` calls of ``update`` into one update of
-the inner optimizer. Unlike it, it carries SUMS: the gradient of the summed
-loss, the summed loss and the number of items it adds up (``num_items``), and
-divides once, at the window boundary, after one reduction across devices
-(``_normalize.py`` holds that math).
+the inner optimizer; it carries SUMS (gradient, loss, ``num_items``) and divides
+once, at the boundary, after one reduction across devices. ``update`` reads as
+the algorithm: :func:`_add_to_window` on every call, :func:`_close_window` at a
+boundary (reduce, normalize, clip, inner step, record, reset).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +20,7 @@ import optax
 
 from jaxaccum import _checks, _sharding
 from jaxaccum._loss_scale import DynamicLossScale, next_loss_scale
-from jaxaccum._normalize import clip_by_global_norm, normalize_window
+from jaxaccum._normalize import WindowTotals, clip_by_global_norm, normalize_window
 from jaxaccum._state import MultiStepsState, closed_window, first_record, items_dtype_for
 
 
@@ -34,30 +36,32 @@ def multi_steps(
 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates ``k`` micro-batches into one big-batch update of ``inner``.
 
-    Each call adds this device's micro-batch to three window sums: the gradient
-    of the summed loss, the summed loss and its ``num_items``. When the window
-    closes (after ``k`` calls, or at ``end_window=True``) the sums are reduced
-    across devices once, the window gradient ``g = sum grad(loss_sum) / sum
-    num_items`` (over devices and micro-batches) is clipped to ``max_grad_norm``
-    and handed to ``inner``. Between boundaries no collective and no
-    inner-optimizer work runs, and the update is zero.
+    .. math::
+
+       g = \\frac{\\sum_{r,m} \\nabla \\ell^{sum}_{rm}}{\\sum_{r,m} n_{rm}}, \\qquad
+       \\theta \\leftarrow \\theta + \\mathrm{inner}(\\mathrm{clip}(g))
+
+    over the window's micro-batches ``m`` on devices ``r``. Each call adds this
+    device's micro-batch to three sums; when the window closes (after ``k``
+    calls, or at ``end_window=True``) they are reduced across devices once,
+    divided once, clipped to ``max_grad_norm`` and handed to ``inner``. Between
+    boundaries no collective and no inner-optimizer work runs, and the update
+    is zero.
 
     Args:
       inner: the optimizer of the big batch, e.g. ``optax.adamw(3e-4)``. Its
         schedule counts updates, never micro-steps.
       every_k_schedule: micro-batches per window: an int, or a function of the
         update id (the number of applied updates) returning an int.
-      axis_name: the mesh axis the batch is split over. Under ``jax.jit`` on a
-        mesh whose axis is Explicit (``jax.make_mesh``'s default; call ``init``
-        under ``jax.set_mesh``), the window's sums stay unreduced over it between
-        calls; under ``jax.shard_map`` or ``jax.pmap`` they stay per device.
-        Either way the boundary reduces them once. ``None``: one device, or
-        ``jit`` letting the partitioner reduce every micro-step (GSPMD).
+      axis_name: the mesh axis the batch is split over: under ``jax.jit`` on an
+        Explicit mesh (call ``init`` under ``jax.set_mesh``), ``jax.shard_map``
+        or ``jax.pmap``. ``None``: one device, or ``jit`` letting the
+        partitioner reduce every micro-step (GSPMD).
       max_grad_norm: clip the window gradient to this global L2 norm, once per
         window, with PyTorch's ``clip_grad_norm_`` formula; ``None``: no clip.
       accumulator_dtype: dtype of the gradient sums (float32 by default, also
         for bf16 parameters). ``num_items`` and the loss are summed in float32
-        (float64 with float64 sums) whatever it is: counts stay exact.
+        (float64 with float64 sums) whatever it is.
       loss_scaling: a :class:`DynamicLossScale` for fp16 training, or ``None``.
         Differentiate ``jaxaccum.loss_scale(state) * loss_sum``
         (``jaxaccum.value_and_grad`` does it) and pass the UNSCALED
@@ -90,30 +94,22 @@ def multi_steps(
       >>> float(params['w'])  # -lr * (3 * -2 + 1 * -10) / 4 = 4
       4.0
     """
-    window_size = _checks.every_k_schedule(every_k_schedule)
-    axis_name = _checks.axis_name(axis_name)
-    max_grad_norm = _checks.max_grad_norm(max_grad_norm)
-    accumulator_dtype = _checks.accumulator_dtype(accumulator_dtype)
     _checks.one_of(nonfinite, "nonfinite", ("skip", "raise"), where="multi_steps")
     _checks.instance_or_none(loss_scaling, "loss_scaling", DynamicLossScale, where="multi_steps")
-    inner = optax.with_extra_args_support(inner)
-    # counts and the loss stay exact whatever the gradient sums' dtype: float32 or wider
-    items_dtype = items_dtype_for(accumulator_dtype)
-    zero = lambda dtype=accumulator_dtype: jnp.zeros((), dtype)
+    accumulator_dtype = _checks.accumulator_dtype(accumulator_dtype)
+    settings = _Settings(
+        inner=standard_promotion(optax.with_extra_args_support(inner)),
+        window_size=_checks.every_k_schedule(every_k_schedule),
+        axis_name=_checks.axis_name(axis_name),
+        max_grad_norm=_checks.max_grad_norm(max_grad_norm),
+        accumulator_dtype=accumulator_dtype,
+        items_dtype=items_dtype_for(accumulator_dtype),
+        loss_scaling=loss_scaling,
+        nonfinite=nonfinite,
+    )
 
     def init_fn(params: Any) -> MultiStepsState:
-        scale = 1.0 if loss_scaling is None else loss_scaling.init_scale
-        where = _sharding.layout(axis_name)
-        return MultiStepsState(
-            window_step=zero(jnp.int32),
-            micro_step=zero(jnp.int32),
-            good_windows=zero(jnp.int32),
-            loss_known=jnp.ones((), jnp.bool_),
-            applied=zero(jnp.bool_),
-            inner_state=_standard_promotion(inner.init)(params),
-            **_sharding.zero_sums(params, accumulator_dtype, items_dtype, axis_name, where),
-            last_window=_sharding.replicated(first_record(items_dtype, scale), where),
-        )
+        return _init(settings, params)
 
     def update_fn(
         grads: Any,
@@ -125,122 +121,204 @@ def multi_steps(
         end_window: Any = False,
         **extra_args: Any,
     ) -> tuple[Any, MultiStepsState]:
-        where = _sharding.layout(axis_name)
-        _checks.update_call(grads, state, num_items, loss_sum, end_window, extra_args, where,
-                            axis_name)  # fmt: skip
+        placement = _sharding.placement(settings.axis_name)
+        _checks.update_call(grads, state, num_items, loss_sum, end_window, extra_args, placement,
+                            settings.axis_name)  # fmt: skip
         grads = jax.tree.map(jnp.asarray, grads)  # Python float leaves are accepted
-        stored = lambda x, window_sum: _sharding.to_stored(x, window_sum, axis_name, where)
-        unstored = lambda window_sum, ndim: _sharding.from_stored(window_sum, ndim, axis_name,
-                                                                  where)  # fmt: skip
-        grad_dtypes = jax.tree.map(lambda g: g.dtype, grads)
-        # Arrays among the extra arguments travel in the loop carry; the rest are constants.
-        dynamic = {k: v for k, v in extra_args.items() if isinstance(v, jax.Array)}
-        static = {k: v for k, v in extra_args.items() if k not in dynamic}
-
-        def inner_update(window_grads, inner_state, params, dynamic):
-            # the inner optimizer is the user's code: it runs under JAX's standard
-            # promotion (optax's bias corrections mix a float and an int32 step)
-            with jax.numpy_dtype_promotion("standard"):
-                return inner.update(window_grads, inner_state, params, **static, **dynamic)
-
-        # 1. Every call: add this micro-batch to the window sums. Nothing else.
-        # under jit, a global (replicated) value joins the partial sums once (in the first row)
-        as_sum = lambda x, window_sum: stored(jnp.reshape(jnp.asarray(x), ()), window_sum)
-        window_step = state.window_step + 1
-        close = (window_step >= window_size(state.last_window.update_id)) | jnp.asarray(end_window)
-        added = state._replace(
-            window_step=jnp.where(close, 0, window_step).astype(jnp.int32),
-            micro_step=state.micro_step + 1,
-            loss_known=state.loss_known & (loss_sum is not None),
-            applied=zero(jnp.bool_),
-            grad_sum=jax.tree.map(lambda s, g: s + stored(g, s), state.grad_sum, grads),
-            loss_sum=state.loss_sum + as_sum(0.0 if loss_sum is None else loss_sum, state.loss_sum),
-            num_items=state.num_items + as_sum(num_items, state.num_items),
-        )
-
-        # 2. At a boundary, and only there: reduce once, divide once, clip, step.
-        def inner_step(slot, inner_state, window_grads, params, dynamic):
-            updates, new_inner = inner_update(window_grads, inner_state, params, dynamic)
-            # the types of the loop carry: dtypes, and shardings (an inner state sharded
-            # over the batch axis, ZeRO-1, gives sharded updates: gathered here)
-            like = lambda x, y: _sharding.like(x.astype(y.dtype), y)
-            updates = jax.tree.map(like, updates, slot)
-            new_inner = jax.tree.map(like, new_inner, inner_state)
-            return updates, new_inner, window_grads, params, dynamic
-
-        def boundary(slot, state, params, dynamic):
-            totals = normalize_window(
-                jax.tree.map(lambda s, g: unstored(s, g.ndim), state.grad_sum, grad_types),
-                unstored(state.loss_sum, 0),
-                unstored(state.num_items, 0),
-                axis_name=axis_name,
-                loss_scale=state.last_window.loss_scale,
-            )
-            window_grads, norm_clipped = clip_by_global_norm(
-                totals.grads, totals.grad_norm, max_grad_norm
-            )
-            nonempty = totals.window_items > 0
-            bad_loss = state.loss_known & nonempty & ~jnp.isfinite(totals.loss)
-            finite = jnp.isfinite(totals.grad_norm) & jnp.isfinite(totals.window_items) & ~bad_loss
-            apply = finite & nonempty
-            if nonfinite == "raise":
-                fail = (~finite, state.micro_step, totals.loss, totals.grad_norm)
-                jax.debug.callback(_checks.raise_if_nonfinite, *fail)
-            # The inner optimizer runs only for an applied window, on the window
-            # gradient in the dtype of `grads` (a skipped one leaves it untouched,
-            # with no select over its state to copy).
-            window_grads = jax.tree.map(lambda g, d: g.astype(d), window_grads, grad_dtypes)
-            slot, inner_state, *_ = _once_if(
-                apply, inner_step, slot, state.inner_state, window_grads, params, dynamic
-            )
-            scale, good_windows = next_loss_scale(
-                loss_scaling,
-                state.last_window.loss_scale,
-                state.good_windows,
-                applied=apply,
-                overflow=~finite,
-            )
-            state = state._replace(
-                good_windows=good_windows,
-                loss_known=jnp.ones((), jnp.bool_),
-                applied=apply,
-                inner_state=inner_state,
-                last_window=closed_window(
-                    state.last_window,
-                    totals,
-                    state.micro_step,
-                    norm_clipped,
-                    applied=apply,
-                    finite=finite,
-                    loss_known=state.loss_known,
-                    loss_scale=scale,
-                ),  # fmt: skip
-                # the window is consumed: fresh zeros of the sums' types (never 0 * sum)
-                grad_sum=jax.tree.map(jnp.zeros_like, state.grad_sum),
-                loss_sum=jnp.zeros_like(state.loss_sum),
-                num_items=jnp.zeros_like(state.num_items),
-            )
-            return slot, state, params, dynamic
-
-        # The updates' slot: the inner optimizer's update dtypes (eval_shape traces it,
-        # nothing runs), the parameters' shardings.
-        grad_types = jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g), g.dtype), grads)
-        update_types = jax.eval_shape(inner_update, grad_types, state.inner_state, params, dynamic)
-        slot = _sharding.updates_slot(grads, state.grad_sum, update_types[0], axis_name, where)
-        slot, new_state, *_ = _once_if(close, boundary, slot, added, params, dynamic)
-        # Zero unless this call applied an update (a select: no NaN can leak).
-        updates = jax.tree.map(lambda u: jnp.where(new_state.applied, u, 0).astype(u.dtype), slot)
-        return updates, new_state
+        state, close = _add_to_window(settings, placement, state, grads, num_items, loss_sum,
+                                      end_window)  # fmt: skip
+        inner, dynamic = _Inner.for_call(settings.inner, extra_args, grads)
+        slot = _updates_slot(settings, placement, inner, grads, state, params, dynamic)
+        close_window = functools.partial(_close_window, settings, placement, inner)
+        slot, state, *_ = _once_if(close, close_window, slot, state, params, dynamic)
+        # zero unless this call applied an update (a select: no NaN can leak)
+        updates = jax.tree.map(lambda u: jnp.where(state.applied, u, 0).astype(u.dtype), slot)
+        return updates, state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _standard_promotion(fn: Callable) -> Callable:
-    def wrapped(*args, **kwargs):
-        with jax.numpy_dtype_promotion("standard"):
-            return fn(*args, **kwargs)
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """``multi_steps``' arguments, checked: what every step of the algorithm reads."""
 
-    return wrapped
+    inner: optax.GradientTransformationExtraArgs
+    window_size: Callable[[jax.Array], jax.Array]
+    axis_name: _sharding.AxisName | None
+    max_grad_norm: float | None
+    accumulator_dtype: Any
+    items_dtype: Any
+    loss_scaling: DynamicLossScale | None
+    nonfinite: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inner:
+    """One call's inner optimizer: its constant extra arguments, the gradients' types."""
+
+    tx: optax.GradientTransformationExtraArgs
+    static: dict
+    grad_types: Any
+
+    @classmethod
+    def for_call(cls, tx, extra_args: dict, grads: Any) -> tuple[_Inner, dict]:
+        """Arrays among the extra arguments travel in the loop carry (returned); the rest
+        are constants."""
+        dynamic = {name: v for name, v in extra_args.items() if isinstance(v, jax.Array)}
+        static = {name: v for name, v in extra_args.items() if name not in dynamic}
+        grad_types = jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g), g.dtype), grads)
+        return cls(tx, static, grad_types), dynamic
+
+    def update(self, window_grads: Any, inner_state: Any, params: Any, dynamic: dict) -> tuple:
+        return self.tx.update(window_grads, inner_state, params, **self.static, **dynamic)
+
+
+def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``tx`` with ``init`` and ``update`` under JAX's standard promotion rules.
+
+    The inner optimizer is the user's code: optax's bias corrections mix a
+    float and an int32 step, which a strict-promotion program refuses.
+    """
+    tx = optax.with_extra_args_support(tx)
+
+    def under_standard(fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+                return fn(*args, **kwargs)
+
+        return wrapped
+
+    return optax.GradientTransformationExtraArgs(under_standard(tx.init), under_standard(tx.update))
+
+
+def _init(settings: _Settings, params: Any) -> MultiStepsState:
+    """An empty window, no update yet."""
+    scale = 1.0 if settings.loss_scaling is None else settings.loss_scaling.init_scale
+    placement = _sharding.placement(settings.axis_name)
+    zero = lambda dtype: jnp.zeros((), dtype)
+    return MultiStepsState(
+        window_step=zero(jnp.int32),
+        micro_step=zero(jnp.int32),
+        good_windows=zero(jnp.int32),
+        loss_known=jnp.ones((), jnp.bool_),
+        applied=zero(jnp.bool_),
+        inner_state=settings.inner.init(params),
+        **_sharding.zero_sums(
+            params, settings.accumulator_dtype, settings.items_dtype, settings.axis_name, placement
+        ),  # fmt: skip
+        last_window=_sharding.replicated(first_record(settings.items_dtype, scale), placement),
+    )
+
+
+def _add_to_window(settings, placement, state, grads, num_items, loss_sum, end_window):
+    """1. Every call: this micro-batch joins the window's three sums. Nothing else.
+
+    Returns the state and whether the window closes with this call. Under
+    ``jit`` a global (replicated) scalar joins the partial sums once, in the
+    first row.
+    """
+    stored = lambda x, window_sum: _sharding.to_stored(x, window_sum, settings.axis_name,
+                                                       placement)  # fmt: skip
+    as_sum = lambda x, window_sum: stored(jnp.reshape(jnp.asarray(x), ()), window_sum)
+    window_step = state.window_step + 1
+    close = window_step >= settings.window_size(state.last_window.update_id)
+    close = close | jnp.asarray(end_window)
+    added = state._replace(
+        window_step=jnp.where(close, 0, window_step).astype(jnp.int32),
+        micro_step=state.micro_step + 1,
+        loss_known=state.loss_known & (loss_sum is not None),
+        applied=jnp.zeros((), jnp.bool_),
+        grad_sum=jax.tree.map(lambda s, g: s + stored(g, s), state.grad_sum, grads),
+        loss_sum=state.loss_sum + as_sum(0.0 if loss_sum is None else loss_sum, state.loss_sum),
+        num_items=state.num_items + as_sum(num_items, state.num_items),
+    )
+    return added, close
+
+
+def _close_window(settings, placement, inner, slot, state, params, dynamic):
+    """2. At a boundary, and only there: reduce once, divide once, clip, step, reset.
+
+    The inner optimizer runs only for an applied window, on the window gradient
+    in the dtype of ``grads`` (a skipped one leaves it untouched, with no select
+    over its state to copy).
+    """
+    totals = _window_totals(settings, placement, state, inner.grad_types)
+    window_grads, norm_clipped = clip_by_global_norm(
+        totals.grads, totals.grad_norm, settings.max_grad_norm
+    )
+    nonempty = totals.window_items > 0
+    bad_loss = state.loss_known & nonempty & ~jnp.isfinite(totals.loss)
+    finite = jnp.isfinite(totals.grad_norm) & jnp.isfinite(totals.window_items) & ~bad_loss
+    apply = finite & nonempty
+    if settings.nonfinite == "raise":
+        fail = (~finite, state.micro_step, totals.loss, totals.grad_norm)
+        jax.debug.callback(_checks.raise_if_nonfinite, *fail)
+    window_grads = jax.tree.map(lambda g, t: g.astype(t.dtype), window_grads, inner.grad_types)
+    slot, inner_state, *_ = _once_if(
+        apply, functools.partial(_inner_step, inner), slot, state.inner_state, window_grads,
+        params, dynamic,
+    )  # fmt: skip
+    scale, good_windows = next_loss_scale(
+        settings.loss_scaling,
+        state.last_window.loss_scale,
+        state.good_windows,
+        applied=apply,
+        overflow=~finite,
+    )
+    record = closed_window(state.last_window, totals, state.micro_step, norm_clipped,
+                           applied=apply, finite=finite, loss_known=state.loss_known,
+                           loss_scale=scale)  # fmt: skip
+    state = state._replace(
+        good_windows=good_windows,
+        loss_known=jnp.ones((), jnp.bool_),
+        applied=apply,
+        inner_state=inner_state,
+        last_window=record,
+        # the window is consumed: fresh zeros of the sums' types (never 0 * sum)
+        grad_sum=jax.tree.map(jnp.zeros_like, state.grad_sum),
+        loss_sum=jnp.zeros_like(state.loss_sum),
+        num_items=jnp.zeros_like(state.num_items),
+    )
+    return slot, state, params, dynamic
+
+
+def _window_totals(settings, placement, state, grad_types) -> WindowTotals:
+    """The window's sums out of their stored layout, added over the devices, normalized."""
+    unstored = lambda window_sum, ndim: _sharding.from_stored(
+        window_sum, ndim, settings.axis_name, placement
+    )
+    grad_sum = jax.tree.map(lambda s, g: unstored(s, g.ndim), state.grad_sum, grad_types)
+    sums = (grad_sum, unstored(state.loss_sum, 0), unstored(state.num_items, 0))
+    grad_sum, loss_sum, num_items = _sharding.reduce_over_devices(sums, settings.axis_name)
+    return normalize_window(
+        grad_sum,
+        loss_sum,
+        num_items,
+        loss_scale=state.last_window.loss_scale,
+        global_norm=_sharding.global_norm,
+    )
+
+
+def _inner_step(inner, slot, inner_state, window_grads, params, dynamic):
+    """The inner optimizer's update into the slot, in the loop carry's types.
+
+    Dtypes, and shardings: an inner state sharded over the batch axis (ZeRO-1)
+    gives sharded updates, gathered here.
+    """
+    updates, new_inner = inner.update(window_grads, inner_state, params, dynamic)
+    like = lambda x, y: _sharding.like(x.astype(y.dtype), y)
+    updates = jax.tree.map(like, updates, slot)
+    new_inner = jax.tree.map(like, new_inner, inner_state)
+    return updates, new_inner, window_grads, params, dynamic
+
+
+def _updates_slot(settings, placement, inner, grads, state, params, dynamic):
+    """The loop carry that receives the window's updates: the inner optimizer's update
+    dtypes (``eval_shape`` traces it, nothing runs), the parameters' shardings."""
+    update_types = jax.eval_shape(inner.update, inner.grad_types, state.inner_state, params,
+                                  dynamic)  # fmt: skip
+    return _sharding.updates_slot(grads, state.grad_sum, update_types[0], settings.axis_name,
+                                  placement)  # fmt: skip
 
 
 def _once_if(pred: jax.Array, body: Callable[..., tuple], *carry: Any) -> tuple:

@@ -1,30 +1,18 @@
-"""The window normalization: the one place where the big-batch math happens.
+"""The window normalization: the library's one division by ``num_items``.
 
-An optimizer update ("window") is built from ``k`` micro-batches on each of
-``R`` devices. With ``l_rmt`` the loss of item ``t`` (a valid token, or a
-sample) of micro-batch ``m`` on device ``r``, the big-batch loss is::
-
-    L = sum_{r,m,t} l_rmt / N,        N = number of items in the window
-
-and its gradient is ``sum_{r,m} grad(sum_t l_rmt) / N``. So every path
-accumulates three SUMS per device (gradient of the summed loss, summed loss,
-``num_items``) and, at the window boundary only, adds them across devices
-once and divides once. Dividing earlier (a mean per micro-batch, or a mean per
-device) weighs items unequally: that is the "mean of means" and the "local
-denominator" bug (``docs/math.md``).
-
-:func:`normalize_window` is the library's one division by ``num_items``; the
-optimizer wrapper, the in-step scan and the audit all call it.
+The math and why it is the big batch: ``docs/math.md``. The optimizer wrapper,
+the in-step scan and the audit all call :func:`normalize_window`, on sums that
+the caller has already added over the devices.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-from jaxaccum._sharding import global_norm, reduce_over_devices
+import optax
 
 
 class WindowTotals(NamedTuple):
@@ -36,9 +24,8 @@ class WindowTotals(NamedTuple):
         window holds no item.
       loss: the window mean loss ``sum loss_sum / window_items``; NaN when the
         window holds no item (there is no mean).
-      window_items: the global number of items ``N`` (summed over devices).
-      grad_norm: the global L2 norm of ``grads`` (over every block of a
-        tensor-parallel leaf under ``shard_map``).
+      window_items: the window's number of items ``N``.
+      grad_norm: the global L2 norm of ``grads``.
     """
 
     grads: Any
@@ -52,34 +39,34 @@ def normalize_window(
     loss_sum: jax.Array,
     num_items: jax.Array,
     *,
-    axis_name: str | tuple[str, ...] | None = None,
     loss_scale: jax.Array | float = 1.0,
+    global_norm: Callable[[Any], jax.Array] = optax.tree.norm,
 ) -> WindowTotals:
-    """Turns a window's sums into the big-batch gradient and loss, once.
+    """Turns a window's sums, added over every device, into the big-batch gradient and loss.
 
     .. math::
 
-       g = \\frac{\\mathrm{psum}(\\sum_m \\nabla \\ell^{sum}_m)}{\\mathrm{psum}(\\sum_m n_m)},
-       \\qquad L = \\frac{\\mathrm{psum}(\\sum_m \\ell^{sum}_m)}{\\mathrm{psum}(\\sum_m n_m)}
+       g = \\frac{\\sum_{r,m} \\nabla \\ell^{sum}_{rm}}{s \\sum_{r,m} n_{rm}},
+       \\qquad L = \\frac{\\sum_{r,m} \\ell^{sum}_{rm}}{\\sum_{r,m} n_{rm}}
+
+    over devices ``r`` and micro-batches ``m``, ``s`` the loss scale.
 
     Args:
-      grad_sum: pytree, this device's sum over the window of the gradients of
-        the *summed* (not averaged) loss.
-      loss_sum: scalar, this device's summed loss over the window.
-      num_items: scalar, this device's number of items (valid tokens, samples,
-        or any non-negative weight) over the window.
-      axis_name: the mesh axis the batch is split over (``pmap`` or
-        ``shard_map``): the three sums are added over it in one collective.
-        ``None`` when the sums are already global (one device, or ``jit`` over
-        globally sharded arrays).
+      grad_sum: pytree, the window's sum of the gradients of the *summed* (not
+        averaged) loss, over all devices.
+      loss_sum: scalar, the window's summed loss (unscaled), over all devices.
+      num_items: scalar, the window's items (valid tokens, samples, or any
+        non-negative weight), over all devices.
       loss_scale: the factor the summed loss was multiplied by before it was
-        differentiated (fp16 loss scaling); the gradient is divided by
-        ``window_items * loss_scale``, once. ``loss_sum`` is the unscaled loss.
+        differentiated (fp16 loss scaling): the gradient is divided by
+        ``num_items * loss_scale``, once.
+      global_norm: the L2 norm of a gradient pytree (``multi_steps`` passes one
+        that adds tensor-parallel blocks over their mesh axes).
 
     Returns:
-      A :class:`WindowTotals`. A window with a global ``num_items`` of 0 (or
-      less) gets a zero gradient and a NaN loss rather than ``0/0``; callers
-      decide whether to skip it (the optimizer wrapper does).
+      A :class:`WindowTotals`. A window of 0 items (or less) gets a zero
+      gradient and a NaN loss rather than ``0/0``; callers decide whether to
+      skip it (the optimizer wrapper does).
 
     Example:
       >>> import jax.numpy as jnp
@@ -87,7 +74,6 @@ def normalize_window(
       >>> float(totals.grads['w']), float(totals.loss)
       (2.0, 1.0)
     """
-    grad_sum, loss_sum, num_items = reduce_over_devices((grad_sum, loss_sum, num_items), axis_name)
     has_items = num_items > 0
     denominator = jnp.where(has_items, num_items, jnp.ones_like(num_items))
     grad_denominator = denominator * jnp.asarray(loss_scale).astype(denominator.dtype)

@@ -1,29 +1,18 @@
-"""Where the window sums live between boundaries, and how they are reduced once.
+"""Where the window sums live between boundaries, and the one reduction of them.
 
-``axis_name`` always names the mesh axis the batch is split over. One code
-path, three ways to run it, told apart by the axis's type where ``update``
-runs:
+``axis_name`` names the mesh axis the batch is split over; the axis's type
+where ``update`` runs decides the :class:`Placement` of the sums:
 
-* ``jax.jit`` on a mesh whose axis is Explicit (``jax.make_mesh``'s default):
-  the gradient with respect to parameters cast to ``reduced`` comes out
-  ``unreduced`` (each device holds a partial sum). The state keeps each
-  device's partial sums as its own row of an ordinary array sharded over the
-  axis (``P(axis, *param_spec)``: one row per device, the same global layout as
-  under ``shard_map``), so Orbax and ``jax.device_get`` read it like any array.
-  Moving a partial sum into its row, and a row back to an ``unreduced`` value at
-  the boundary, are local; the boundary's ``jax.reshard`` to the parameters'
-  sharding is the one all-reduce (:attr:`Layout.EXPLICIT`);
-* ``jax.shard_map`` (a Manual axis) or ``jax.pmap``: each device holds its own
-  sums, with a leading axis of length 1 (one row per device in the global
-  array, :func:`partition_specs`), and the boundary ``psum``-s them
-  (:attr:`Layout.PER_DEVICE`);
-* no ``axis_name``: the sums are what the gradients are (global sums under
-  ``jit`` on sharded arrays, where the partitioner reduces every micro-step's
-  gradient) and nothing is reduced (:attr:`Layout.GLOBAL`).
+* ``EXPLICIT``, ``jax.jit`` on an Explicit mesh: one row per device,
+  ``P(axis, *param_spec)``; a row goes in and out as an ``unreduced`` partial
+  sum without a collective, and the boundary's ``jax.reshard`` is the
+  all-reduce. A parameter sharded over the axis (FSDP) keeps its sum sharded
+  like itself;
+* ``PER_DEVICE``, ``jax.shard_map`` or ``jax.pmap``: each device's own sums with
+  a leading axis of length 1; the boundary ``psum``-s them;
+* ``GLOBAL``, no ``axis_name``: the sums are global already, nothing to reduce.
 
-A parameter sharded over the batch axis (FSDP) is the exception under
-``jit``: its gradient arrives reduced onto its shards, and its sum is kept
-sharded like the parameter (rows would hold the whole gradient per device).
+The routes and their communication: ``docs/data-parallel.md``.
 """
 
 from __future__ import annotations
@@ -41,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 AxisName = str | tuple[str, ...]
 
 
-class Layout(enum.Enum):
-    """How the window sums are held between boundaries (module docstring)."""
+class Placement(enum.Enum):
+    """Where the window sums are held between boundaries (module docstring)."""
 
     GLOBAL = "global"
     PER_DEVICE = "per_device"
@@ -54,17 +43,17 @@ def axes(axis_name: AxisName) -> tuple[str, ...]:
     return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
-def layout(axis_name: AxisName | None) -> Layout:
-    """The :class:`Layout` of the window sums where this runs (the mesh in context)."""
+def placement(axis_name: AxisName | None) -> Placement:
+    """The :class:`Placement` of the window sums where this runs (the mesh in context)."""
     if axis_name is None:
-        return Layout.GLOBAL
+        return Placement.GLOBAL
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and all(a in mesh.axis_names for a in axes(axis_name)):
         types = {mesh.axis_types[mesh.axis_names.index(a)] for a in axes(axis_name)}
         if types == {AxisType.Manual}:
-            return Layout.PER_DEVICE
+            return Placement.PER_DEVICE
         if types == {AxisType.Explicit}:
-            return Layout.EXPLICIT
+            return Placement.EXPLICIT
         raise ValueError(
             f"multi_steps: mesh axis {axis_name!r} is of type {sorted(t.name for t in types)}:"
             " under jax.jit an Auto axis leaves the window's sums to the partitioner, which"
@@ -72,7 +61,7 @@ def layout(axis_name: AxisName | None) -> Layout:
             " Explicit (jax.make_mesh's default), or map the step with jax.shard_map; for"
             " GSPMD's per-micro-step reduction build multi_steps without axis_name."
         )
-    return Layout.PER_DEVICE  # pmap or vmap, or outside any mapping (shard_map's layout)
+    return Placement.PER_DEVICE  # pmap or vmap, or outside any mapping (shard_map's layout)
 
 
 def rebuild(spec: P, *, unreduced: frozenset | None = None, reduced: frozenset | None = None) -> P:
@@ -113,12 +102,12 @@ def _devices_along(axis_name: AxisName) -> int:
     return int(np.prod([mesh.shape[a] for a in axes(axis_name)]))
 
 
-def zero_sum(param: Any, dtype: Any, axis_name: AxisName | None, where: Layout) -> jax.Array:
+def zero_sum(param: Any, dtype: Any, axis_name: AxisName | None, where: Placement) -> jax.Array:
     """A window sum of zeros in its stored layout (module docstring)."""
     zeros = jnp.zeros(jnp.shape(param), dtype)
-    if where is Layout.PER_DEVICE:
+    if where is Placement.PER_DEVICE:
         return zeros[None]
-    if where is Layout.EXPLICIT:
+    if where is Placement.EXPLICIT:
         spec = spec_of(param)
         if uses(spec, axis_name):  # FSDP: kept like the parameter
             return _reshard(zeros, spec)
@@ -128,7 +117,7 @@ def zero_sum(param: Any, dtype: Any, axis_name: AxisName | None, where: Layout) 
 
 
 def zero_sums(params: Any, dtype: Any, items_dtype: Any, axis_name: AxisName | None,
-              where: Layout) -> dict:  # fmt: skip
+              where: Placement) -> dict:  # fmt: skip
     """The three window sums of a fresh state: ``grad_sum``, ``loss_sum``, ``num_items``."""
     zero = jnp.zeros((), items_dtype)
     return dict(
@@ -138,35 +127,35 @@ def zero_sums(params: Any, dtype: Any, items_dtype: Any, axis_name: AxisName | N
     )
 
 
-def replicated(tree: Any, where: Layout) -> Any:
+def replicated(tree: Any, where: Placement) -> Any:
     """Under jit on an Explicit mesh, ``tree``'s leaves declared replicated (``P()``).
 
     jax 0.12.0.1 merges a jitted ``init``'s identical zeros, and the replicated
     record then comes out labelled with the sums' sharding; an explicit
     replicated sharding keeps them apart.
     """
-    if where is not Layout.EXPLICIT:
+    if where is not Placement.EXPLICIT:
         return tree
     return jax.tree.map(lambda x: jax.reshard(x, P(*(None,) * jnp.ndim(x))), tree)
 
 
 def to_stored(x: jax.Array, window_sum: jax.Array, axis_name: AxisName | None,
-              where: Layout) -> jax.Array:  # fmt: skip
+              where: Placement) -> jax.Array:  # fmt: skip
     """This call's value (a gradient leaf, or a scalar) in its window sum's dtype and layout."""
     x = jnp.asarray(x).astype(window_sum.dtype)
-    if where is Layout.PER_DEVICE:
+    if where is Placement.PER_DEVICE:
         return x[None]
-    if where is Layout.EXPLICIT and window_sum.ndim == x.ndim + 1:
+    if where is Placement.EXPLICIT and window_sum.ndim == x.ndim + 1:
         return _into_rows(x, axis_name)
     return x
 
 
 def from_stored(window_sum: jax.Array, ndim: int, axis_name: AxisName | None,
-                where: Layout) -> jax.Array:  # fmt: skip
+                where: Placement) -> jax.Array:  # fmt: skip
     """A window sum as this device's partial sum of an ``ndim``-dimensional value."""
-    if where is Layout.PER_DEVICE:
+    if where is Placement.PER_DEVICE:
         return window_sum[0]
-    if where is Layout.EXPLICIT and window_sum.ndim == ndim + 1:
+    if where is Placement.EXPLICIT and window_sum.ndim == ndim + 1:
         return _out_of_rows(window_sum, axis_name)
     return window_sum
 
@@ -227,7 +216,7 @@ def reduced_zeros(window_sum: jax.Array, dtype: Any) -> jax.Array:
 
 
 def updates_slot(grads: Any, grad_sum: Any, update_types: Any, axis_name: AxisName | None,
-                 where: Layout) -> Any:  # fmt: skip
+                 where: Placement) -> Any:  # fmt: skip
     """The loop carry that receives the window's updates (zero between boundaries).
 
     The inner optimizer's update dtypes, the parameters' shardings. On one
@@ -237,9 +226,9 @@ def updates_slot(grads: Any, grad_sum: Any, update_types: Any, axis_name: AxisNa
     """
 
     def slot(g, window_sum, u):
-        if where is Layout.GLOBAL and jnp.shape(g) == u.shape:
+        if where is Placement.GLOBAL and jnp.shape(g) == u.shape:
             return g.astype(u.dtype)
-        if where is Layout.EXPLICIT:  # the gradient's sharding without its unreduced axes
+        if where is Placement.EXPLICIT:  # the gradient's sharding without its unreduced axes
             return reduced_zeros(g, u.dtype)
         zeros = reduced_zeros(from_stored(window_sum, jnp.ndim(g), None, where), u.dtype)
         blocks = varying_axes(g) - (frozenset(axes(axis_name)) if axis_name else frozenset())
@@ -261,10 +250,10 @@ def reduce_over_devices(sums: Any, axis_name: AxisName | None) -> Any:
     resharded to its sharding without the axis (an all-reduce; leaves that are
     already global, such as the loss and item sums under ``jit``, stay).
     """
-    where = layout(axis_name)
-    if where is Layout.GLOBAL:
+    where = placement(axis_name)
+    if where is Placement.GLOBAL:
         return sums
-    if where is Layout.PER_DEVICE:
+    if where is Placement.PER_DEVICE:
         return jax.lax.psum(sums, axis_name)
 
     def reduce(x):
@@ -293,23 +282,6 @@ def global_norm(grads: Any) -> jax.Array:
     return jnp.sqrt(optax.tree.sum(jax.tree.map(squared, grads)))
 
 
-def vma_checked(axis_name: AxisName) -> bool:
-    """Under ``shard_map``: whether JAX tracks which values vary over the axis."""
-    return frozenset(axes(axis_name)) <= varying_axes(jax.lax.axis_index(axis_name))
-
-
-def other_manual_axes(axis_name: AxisName) -> list[str]:
-    """Manual mesh axes of more than one device other than the batch axes."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return []
-    return [
-        a
-        for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-        if t == AxisType.Manual and a not in axes(axis_name) and mesh.shape[a] > 1
-    ]
-
-
 def varying_axes(x: Any) -> frozenset[str]:
     """The ``shard_map`` axes over which ``x`` differs (empty outside, or under pmap)."""
     aval = jax.typeof(x)
@@ -319,77 +291,9 @@ def varying_axes(x: Any) -> frozenset[str]:
     return frozenset(getattr(aval, "vma", ()))
 
 
-def check_axis_bound(axis_name: AxisName) -> None:
-    for name in axes(axis_name):
-        try:
-            jax.lax.axis_size(name)
-        except NameError:
-            raise NameError(
-                f"multi_steps: axis_name {name!r} is not bound here: call update inside"
-                " jax.jit on a mesh with that axis (jax.set_mesh), jax.shard_map over it or"
-                " jax.pmap(..., axis_name=...), or build multi_steps without axis_name."
-            ) from None
-
-
-def check_grads(grads: Any, grad_sum: Any, axis_name: AxisName, where: Layout) -> None:
-    """Refuses gradients that were already summed over the devices.
-
-    Per device (``shard_map`` with vma checking, the default): the gradient with
-    respect to replicated parameters of a per-device loss is summed over the
-    axis by autodiff, on every micro-step, and the boundary's ``psum`` would then
-    count every device ``R`` times whatever ``num_items`` is. Such a leaf does
-    not vary over the axis. Whether vma checking is on is the type of
-    ``axis_index``; without it (``check_vma=False``, ``pmap``) autodiff does not
-    sum. Unreduced (``jit``): a replicated gradient was all-reduced this
-    micro-step (k reductions per window), and adding it to an unreduced sum
-    is refused by JAX; each leaf must be unreduced, or sharded like its sum.
-    """
-    batch_axes = frozenset(axes(axis_name))
-    leaves = jax.tree_util.tree_flatten_with_path(grads)[0]
-    if where is Layout.PER_DEVICE:
-        if not batch_axes <= varying_axes(jax.lax.axis_index(axis_name)):
-            return
-        for path, g in leaves:
-            if not batch_axes <= varying_axes(g):
-                raise ValueError(
-                    f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path)} is already"
-                    f" summed over {sorted(batch_axes)} (it does not vary over the axis): the window's"
-                    f" sum would count every device {jax.lax.axis_size(axis_name)} times."
-                    " Inside shard_map, take per-device gradients:"
-                    f" jaxaccum.value_and_grad(loss_fn, axis_name={axis_name!r}) differentiates"
-                    f" with respect to jax.lax.pcast(params, {axis_name!r}, to='varying'); the"
-                    " window's single psum happens at the boundary."
-                )
-    elif where is Layout.EXPLICIT:
-        for (path, g), s in zip(leaves, jax.tree.leaves(grad_sum), strict=True):
-            if not _same_spec(spec_of(g), arrival_spec(s, jnp.ndim(g), axis_name), jnp.ndim(g)):
-                raise ValueError(
-                    f"multi_steps.update: `grads` leaf {jax.tree_util.keystr(path)} has type"
-                    f" {jax.typeof(g)}; to join its window sum with no collective it must be"
-                    f" {_spec_words(arrival_spec(s, jnp.ndim(g), axis_name))}. Under jax.jit on an"
-                    " Explicit mesh, take the gradients with"
-                    f" jaxaccum.value_and_grad(loss_fn, axis_name={axis_name!r}): it keeps each"
-                    " device's gradient a partial sum (unreduced, no all-reduce per micro-step);"
-                    " and make the state with tx.init under the same mesh. A replicated gradient"
-                    " was all-reduced already: for that (GSPMD) path build multi_steps without"
-                    " axis_name."
-                )
-
-
 def arrival_spec(window_sum: jax.Array, ndim: int, axis_name: AxisName) -> P:
     """Under jit: the spec a gradient must have to join ``window_sum`` with no collective."""
     spec = spec_of(window_sum)
     if window_sum.ndim == ndim + 1:  # rows: a partial sum, unreduced over the axis
         return rebuild(P(*spec.partitions[1:]), unreduced=frozenset(axes(axis_name)))
     return spec  # FSDP: sharded like the parameter
-
-
-def _spec_words(spec: P) -> str:
-    """A spec in words, the same on every JAX version (their reprs differ)."""
-    words = f"split as {tuple(spec.partitions)}"
-    return words + (f", unreduced over {sorted(spec.unreduced)}" if spec.unreduced else "")
-
-
-def _same_spec(a: P, b: P, ndim: int) -> bool:
-    pad = lambda spec: tuple(spec.partitions) + (None,) * (ndim - len(spec.partitions))
-    return (pad(a), a.unreduced, a.reduced) == (pad(b), b.unreduced, b.reduced)

@@ -1,16 +1,10 @@
 """Audit your own accumulation loop: how does it weigh each micro-batch and device?
 
-With plain SGD the update of one window is ``delta = -lr * g``. Every known
-accumulation bug computes ``g`` as a reweighting of the gradients of the
-cells' summed losses (a cell: one micro-batch on one device)::
-
-    g = sum_c w_c * G_c,        the big batch: w_c = 1 / N for every cell
-
-:func:`audit_window` lays your rows out into cells that differ strongly in
-items, runs your code for one update with ``optax.sgd``, computes each
-``G_c`` with ``jax.grad`` of a reference summed loss, fits the ``w_c`` by least
-squares and names the known bug they match (``bigbatch`` holds that math,
-framework-free; ``docs/audit.md`` the method and its limits).
+:func:`audit_window` runs your code for one SGD update on a layout of your rows
+into cells (a cell: one micro-batch on one device), differentiates a reference
+summed loss per cell with ``jax.grad``, and lets ``bigbatch`` fit the weight your
+update gives each cell and name the known bug they match. The method, its
+tolerances and its cost: ``docs/audit.md``.
 """
 
 from __future__ import annotations
@@ -25,8 +19,6 @@ import numpy as np
 import optax
 
 import bigbatch
-from jaxaccum._grad import value_and_grad
-from jaxaccum._normalize import normalize_window
 
 AuditReport = bigbatch.AuditReport
 
@@ -46,6 +38,7 @@ def audit_window(
     num_devices: int = 1,
     learning_rate: float = 1.0,
     short_window: bool = False,
+    progress: bool = True,
 ) -> bigbatch.AuditReport:
     """Recovers how your loop weighs the items of each micro-batch and device of one update.
 
@@ -81,6 +74,12 @@ def audit_window(
       learning_rate: the SGD learning rate handed to your code.
       short_window: audit a short tail window of ``tail_microbatches(k)`` (=
         ``k // 2``) micro-batches, closed by your code as its epoch's last.
+      progress: a progress bar (tqdm, on stderr) while the cells' gradients
+        are computed.
+
+    Memory: the parameters, your loop's, then ``8 P`` bytes for the update and
+    ``4 P`` per cell gradient held (``bigbatch.CELL_MEMORY``, at least one);
+    ``docs/audit.md`` gives the time and memory per parameter and per cell.
 
     Returns:
       A ``bigbatch.AuditReport``: ``verdict`` (``"exact"``, a bug of
@@ -104,7 +103,8 @@ def audit_window(
       ...                                   optimizer.init(params), params)
       ...     return optax.apply_updates(params, updates)
       >>> params = {"w": jnp.zeros(6)}
-      >>> report = jaxaccum.audit.audit_window(nanogpt_window, loss_fn, params, batch, k=4)
+      >>> report = jaxaccum.audit.audit_window(nanogpt_window, loss_fn, params, batch, k=4,
+      ...                                      progress=False)
       >>> # cells of 2, 5, 11 and 21 tokens (N = 39): each weighs N / (k n_c) times 1/N
       >>> report.verdict, report.passed, report.weights.round(3).tolist()
       ('mean_of_means', False, [[4.875, 1.95, 0.886, 0.464]])
@@ -124,44 +124,37 @@ def audit_window(
         row_items, k=k, num_devices=num_devices, short_window=short_window
     )
     bigbatch.check_layout(layout)
-    cells = jax.tree.map(lambda x: x[layout.rows.reshape(-1, layout.rows_per_cell)], batch)
-    (cell_losses, cell_items), cell_grads = _cell_values(loss_fn, params, cells)
-    totals = normalize_window(  # the big batch: the library's one division by num_items
-        jax.tree.map(lambda g: jnp.sum(g, axis=0), cell_grads),
-        jnp.sum(cell_losses),
-        jnp.sum(cell_items),
+    update = _update(window_fn, params, batch, layout, learning_rate)
+    cells = jax.tree.map(lambda x: x[layout.rows], batch)  # [R, k_window, p, ...]
+    cell_grad = lambda r, m: _cell_grad(loss_fn, params, jax.tree.map(lambda x: x[r, m], cells))
+    products = bigbatch.cell_products(
+        cell_grad, update, layout, learning_rate=float(learning_rate), progress=progress
     )
-    big_batch_update = -learning_rate * _flat(totals.grads)
-    rounding = _rounding(params) / max(float(np.linalg.norm(big_batch_update)), 1e-300)
-    bigbatch.check_precision(rounding, learning_rate)
+    return bigbatch.audit_update(
+        products, layout, learning_rate=float(learning_rate), params_rounding=_rounding(params)
+    )
 
+
+def _update(window_fn, params, batch, layout, learning_rate) -> list[np.ndarray]:
+    """Your loop's parameter change ``new - old``, per leaf, in float64 (exact)."""
     microbatches = [
         jax.tree.map(lambda x, m=m: x[layout.microbatch_rows(m)], batch)
         for m in range(layout.k_window)
     ]
     new_params = window_fn(params, microbatches, optax.sgd(learning_rate))
-    update = _flat(_check_new_params(new_params, params)) - _flat(params)
-    return bigbatch.audit_update(
-        update,
-        _flat(cell_grads, leading=layout.items.shape),
-        layout,
-        learning_rate=float(learning_rate),
-        big_batch_update=big_batch_update,
-        rounding=rounding,
-    )
-
-
-def _flat(tree: Any, leading: tuple[int, ...] = ()) -> np.ndarray:
-    """A pytree of arrays as float64 ``[*leading, P]``: the leading axes kept, the rest flattened.
-
-    The leaves in ``jax.tree.leaves`` order; ``leading`` splits the leaves'
-    stacked first axis (the cells) into ``(devices, micro-batches)``.
-    """
-    size = int(np.prod(leading))
-    leaves = [
-        np.asarray(jax.device_get(x), np.float64).reshape(size, -1) for x in jax.tree.leaves(tree)
+    new_leaves = jax.tree.leaves(_check_new_params(new_params, params))
+    del new_params
+    return [
+        np.asarray(new, np.float64) - np.asarray(old, np.float64)
+        for new, old in zip(new_leaves, jax.tree.leaves(params), strict=True)
     ]
-    return np.concatenate(leaves, axis=1).reshape(*leading, -1)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _cell_grad(loss_fn: LossFn, params: Any, cell: Any) -> list[jax.Array]:
+    """The gradient of one cell's summed reference loss, as the parameters' leaves."""
+    grad_fn = jax.grad(lambda p: _loss_values(loss_fn, p, cell)[0])
+    return jax.tree.leaves(grad_fn(params))
 
 
 def _rounding(params: Any) -> float:
@@ -233,13 +226,6 @@ def _row_values(loss_fn: LossFn, params: Any, batch: Any) -> tuple[jax.Array, ja
     """``(loss_sum, num_items)`` of every row alone (a batch of one row each)."""
     one_row = lambda row: _loss_values(loss_fn, params, jax.tree.map(lambda x: x[None], row))
     return jax.lax.map(one_row, batch)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _cell_values(loss_fn: LossFn, params: Any, cells: Any) -> Any:
-    """``((loss_sum, num_items), grads)`` of each cell (leading axis: the cells)."""
-    grad_fn = value_and_grad(lambda p, cell: _loss_values(loss_fn, p, cell))
-    return jax.lax.map(lambda cell: grad_fn(params, cell), cells)
 
 
 def _check_sums(loss_fn, params, batch, row_losses, row_items) -> None:

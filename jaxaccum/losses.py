@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from bigbatch import IGNORE_INDEX
+
 
 def _token_losses(
     logits: jax.Array, labels: jax.Array, ignore_index: int
@@ -37,7 +39,7 @@ def _token_losses(
 
 
 def causal_lm(
-    logits: jax.Array, labels: jax.Array, *, ignore_index: int = -100
+    logits: jax.Array, labels: jax.Array, *, ignore_index: int = IGNORE_INDEX
 ) -> tuple[jax.Array, jax.Array]:
     """Token-level causal-LM cross entropy: ``(sum over valid tokens, valid tokens)``.
 
@@ -66,7 +68,7 @@ def causal_lm(
 
 
 def causal_lm_per_sample(
-    logits: jax.Array, labels: jax.Array, *, ignore_index: int = -100
+    logits: jax.Array, labels: jax.Array, *, ignore_index: int = IGNORE_INDEX
 ) -> tuple[jax.Array, jax.Array]:
     """Sample-level causal-LM loss: ``(sum of per-sample token means, samples)``.
 

@@ -82,9 +82,10 @@ def _rows(batch: Batch, rows: Sequence[int] | np.ndarray) -> Batch:
     return {name: value[index] for name, value in batch.items()}
 
 
-def _flat(tensors: Sequence[torch.Tensor]) -> np.ndarray:
-    """The tensors as one float64 vector, in order."""
-    return np.concatenate([t.detach().cpu().to(torch.float64).reshape(-1).numpy() for t in tensors])
+def _numpy(tensors: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """The tensors as numpy arrays, in order (views of float32/float64 CPU tensors: no copy)."""
+    as_numpy = lambda t: (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    return [as_numpy(t.detach().cpu()) for t in tensors]
 
 
 def _rounding(params: Sequence[torch.Tensor]) -> float:

@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 import bigbatch
-from torch_ref._audit_args import (
-    Batch,
-    _check_window,
-    _flat,
-    _parameters,
+from torch_ref._audit_args import Batch, _check_window, _parameters
+from torch_ref._audit_window import (
+    RankParameters,
+    _audit,
+    _on_ranks,
+    _rank0_parameters,
+    _same_on_every_rank,
 )
-from torch_ref._audit_window import _audit, _on_ranks, _same_on_every_rank
 from torch_ref._loss import causal_lm_loss_sum
 
 
@@ -45,6 +46,7 @@ def audit_hf_trainer(
     k: int = 4,
     world_size: int = 1,
     timeout_s: float = 300.0,
+    progress: bool = True,
     **training_args: Any,
 ) -> bigbatch.AuditReport:
     """The audit of `audit_window` for one update of a Hugging Face ``transformers.Trainer``.
@@ -84,6 +86,8 @@ def audit_hf_trainer(
       k: ``gradient_accumulation_steps``.
       world_size: the data-parallel ranks (1: in this process).
       timeout_s: the bound of a multi-rank run, start-up included.
+      progress: a progress bar (tqdm, on stderr) while the cells' gradients are
+        computed.
       **training_args: further ``transformers.TrainingArguments``.
 
     Returns:
@@ -124,7 +128,10 @@ def audit_hf_trainer(
     rows_per_cell = len(rows) // (k * world_size)  # bigbatch.layout_rows' (checked there > 0)
     settings = _trainer_settings(training_args, k, rows_per_cell)
     run = functools.partial(_trainer_run, settings, timeout_s)
-    return _audit(run, hf_causal_lm_loss_sum, model, batch, k, world_size, learning_rate, False)
+    return _audit(
+        run, hf_causal_lm_loss_sum, model, batch, k=k, world_size=world_size,
+        learning_rate=learning_rate, short_window=False, progress=progress,
+    )  # fmt: skip
 
 
 def _trainer_settings(training_args: dict[str, Any], k: int, rows_per_cell: int) -> dict[str, Any]:
@@ -182,13 +189,12 @@ def _trainer_run(
     timeout_s: float,
     model: nn.Module,
     batch: Batch,
-    layout: bigbatch.Layout,
+    layout: bigbatch.CellLayout,
 ) -> np.ndarray:
     """The Trainer on the layout: here (one rank), or on ``layout.num_devices`` gloo ranks."""
     # micro-batch m of rank r is the Trainer's batch m R + r: accelerate deals batch j to rank j % R
     order = layout.rows.transpose(1, 0, 2).reshape(-1)
     settings = {**settings, "per_device_train_batch_size": layout.rows_per_cell}
-    old = _flat(_parameters(model))
     if layout.num_devices == 1:
         with _global_rngs_kept():  # the Trainer seeds them (TrainingArguments.seed)
             results = [_rank_trainer(0, 1, copy.deepcopy(model), batch, settings, order)]
@@ -203,7 +209,7 @@ def _trainer_run(
                 f" {layout.rows[rank].reshape(-1).tolist()}: this version deals batches to ranks"
                 " otherwise, and the audit's cells would not be its cells"
             )
-    return _same_on_every_rank([params for params, _ in results], old, "Trainer")
+    return _same_on_every_rank([params for params, _ in results], _parameters(model), "Trainer")
 
 
 @contextlib.contextmanager
@@ -218,8 +224,8 @@ def _global_rngs_kept() -> Iterator[None]:
         np.random.set_state(numpy_state)
 
 
-def _rank_trainer(rank, world_size, model, batch, settings, order) -> tuple[np.ndarray, list[int]]:
-    """One rank's Trainer: one optimizer step; (its parameters, the rows it read)."""
+def _rank_trainer(rank, world_size, model, batch, settings, order) -> tuple[RankParameters, list]:
+    """One rank's Trainer: one optimizer step; (rank 0's parameters, the rows it read)."""
     import transformers
 
     if world_size > 1:  # accelerate reads the rank from the environment; the group exists
@@ -232,4 +238,4 @@ def _rank_trainer(rank, world_size, model, batch, settings, order) -> tuple[np.n
     with tempfile.TemporaryDirectory(prefix="torch_ref_audit_") as output_dir:
         args = transformers.TrainingArguments(**{"output_dir": output_dir, **settings})
         transformers.Trainer(model=model, args=args, train_dataset=dataset).train()
-    return _flat(_parameters(model)), dataset.read
+    return _rank0_parameters(rank, model), dataset.read

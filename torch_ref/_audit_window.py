@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import copy
 import functools
-import io
+import os
+import tempfile
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -20,8 +21,8 @@ from torch_ref._audit_args import (
     _check_callable,
     _check_model,
     _check_window,
-    _flat,
     _num_rows,
+    _numpy,
     _parameters,
     _rounding,
     _rows,
@@ -29,8 +30,8 @@ from torch_ref._audit_args import (
 
 WindowFn = Callable[[nn.Module, torch.optim.Optimizer, list[Batch]], None]
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, Any]]
-# run(model, batch, layout) -> the parameters after your update, flat float64 (`_flat`)
-Runner = Callable[[nn.Module, Batch, bigbatch.Layout], np.ndarray]
+# run(model, batch, layout) -> the parameters after your update, one array per parameter
+Runner = Callable[[nn.Module, Batch, bigbatch.CellLayout], list[np.ndarray]]
 
 
 def audit_window(
@@ -44,6 +45,7 @@ def audit_window(
     learning_rate: float = 1.0,
     short_window: bool = False,
     timeout_s: float = 300.0,
+    progress: bool = True,
 ) -> bigbatch.AuditReport:
     """Recovers how your loop weighs the items of each micro-batch and rank of one update.
 
@@ -84,6 +86,13 @@ def audit_window(
       short_window: audit a short tail window of ``k // 2`` micro-batches,
         closed by your code as its epoch's last.
       timeout_s: the bound of a multi-rank run, start-up included.
+      progress: a progress bar (tqdm, on stderr) while the cells' gradients are
+        computed.
+
+    Memory: the model, your loop's run on a copy of it, then ``8 P`` bytes for
+    the update and ``4 P`` per cell gradient held (``bigbatch.CELL_MEMORY``, at
+    least one); ``docs/audit.md`` gives the time and memory per parameter and
+    per cell.
 
     Returns:
       A ``bigbatch.AuditReport`` (the JAX audit's): ``verdict`` (``"exact"``, a
@@ -106,7 +115,8 @@ def audit_window(
       ...         loss_sum, n = loss_fn(model, mb)
       ...         (loss_sum / n / len(microbatches)).backward()
       ...     optimizer.step()
-      >>> report = audit_window(nanogpt, loss_fn, model, {"input_ids": ids, "labels": labels}, k=2)
+      >>> batch = {"input_ids": ids, "labels": labels}
+      >>> report = audit_window(nanogpt, loss_fn, model, batch, k=2, progress=False)
       >>> # cells of 7 and 14 tokens (N = 21): each weighs N / (k n_c) times 1/N
       >>> report.verdict, report.items.tolist(), report.weights.round(3).tolist()
       ('mean_of_means', [[7.0, 14.0]], [[1.5, 0.75]])
@@ -117,7 +127,10 @@ def audit_window(
         run = functools.partial(_window_here, window_fn, learning_rate)
     else:
         run = functools.partial(_window_on_ranks, window_fn, learning_rate, timeout_s)
-    return _audit(run, loss_fn, model, batch, k, world_size, learning_rate, short_window)
+    return _audit(
+        run, loss_fn, model, batch, k=k, world_size=world_size, learning_rate=learning_rate,
+        short_window=short_window, progress=progress,
+    )  # fmt: skip
 
 
 def _audit(
@@ -125,15 +138,33 @@ def _audit(
     loss_fn: LossFn,
     model: nn.Module,
     batch: Mapping[str, Any],
+    *,
     k: int,
     world_size: int,
     learning_rate: float,
     short_window: bool,
+    progress: bool,
 ) -> bigbatch.AuditReport:
-    """Layout, cell gradients, your update (``run``), then ``bigbatch``'s fit and report."""
+    """Layout, your update (``run``), the cells' gradients streamed, ``bigbatch``'s fit."""
     _check_callable(loss_fn, "loss_fn")
     params = _check_model(model)
     batch = _check_batch(batch)
+    layout = _layout(loss_fn, model, batch, k, world_size, short_window)
+    update = [  # new - old, float64 (exact), leaf by leaf
+        np.asarray(new, np.float64) - p.detach().cpu().double().numpy()
+        for new, p in zip(run(model, batch, layout), params, strict=True)
+    ]
+    cell_grad = lambda r, m: _grad(loss_fn, model, params, _rows(batch, layout.rows[r, m]))
+    products = bigbatch.cell_products(
+        cell_grad, update, layout, learning_rate=float(learning_rate), progress=progress
+    )
+    return bigbatch.audit_update(
+        products, layout, learning_rate=float(learning_rate), params_rounding=_rounding(params)
+    )
+
+
+def _layout(loss_fn, model, batch, k, world_size, short_window) -> bigbatch.CellLayout:
+    """The rows' items (the reference loss of each row alone, checked to add up) in cells."""
     with torch.no_grad():
         rows = [_loss_values(loss_fn, model, _rows(batch, [i])) for i in range(_num_rows(batch))]
         whole = _loss_values(loss_fn, model, batch)
@@ -141,30 +172,13 @@ def _audit(
     bigbatch.check_sums(float(whole[0]), float(whole[1]), row_losses, row_items)
     layout = bigbatch.layout_rows(row_items, k=k, num_devices=world_size, short_window=short_window)
     bigbatch.check_layout(layout)
-    cell_grads = np.stack(  # [R, k_window, P]: autograd of each cell's summed loss
-        [
-            [_grad(loss_fn, model, params, _rows(batch, cell)) for cell in device]
-            for device in layout.rows
-        ]
-    )
-    big_batch_update = -learning_rate * cell_grads.sum(axis=(0, 1)) / layout.items.sum()
-    rounding = _rounding(params) / max(float(np.linalg.norm(big_batch_update)), 1e-300)
-    bigbatch.check_precision(rounding, learning_rate)
-    update = run(model, batch, layout) - _flat(params)
-    return bigbatch.audit_update(
-        update,
-        cell_grads,
-        layout,
-        learning_rate=float(learning_rate),
-        big_batch_update=big_batch_update,
-        rounding=rounding,
-    )
+    return layout
 
 
 # ---- running your loop --------------------------------------------------------------------------
 
 
-def _microbatches(batch: Batch, layout: bigbatch.Layout, rank: int) -> list[Batch]:
+def _microbatches(batch: Batch, layout: bigbatch.CellLayout, rank: int) -> list[Batch]:
     """Rank ``rank``'s micro-batches: the cells of device ``rank`` of the layout."""
     return [_rows(batch, cell) for cell in layout.rows[rank]]
 
@@ -175,12 +189,12 @@ def _step(window_fn: WindowFn, model: nn.Module, microbatches: list[Batch], lr: 
 
 
 def _window_here(
-    window_fn: WindowFn, lr: float, model: nn.Module, batch: Batch, layout: bigbatch.Layout
-) -> np.ndarray:
-    """One rank, in this process, on a copy of the model."""
+    window_fn: WindowFn, lr: float, model: nn.Module, batch: Batch, layout: bigbatch.CellLayout
+) -> list[np.ndarray]:
+    """One rank, in this process, on a copy of the model; the parameters after the update."""
     model = copy.deepcopy(model)
     _step(window_fn, model, _microbatches(batch, layout, 0), lr)
-    return _flat(_parameters(model))
+    return _numpy(_parameters(model))
 
 
 def _window_on_ranks(
@@ -189,53 +203,80 @@ def _window_on_ranks(
     timeout_s: float,
     model: nn.Module,
     batch: Batch,
-    layout: bigbatch.Layout,
-) -> np.ndarray:
+    layout: bigbatch.CellLayout,
+) -> list[np.ndarray]:
     """``layout.num_devices`` gloo ranks, each with its cells, the model under DDP."""
     per_rank = [_microbatches(batch, layout, r) for r in range(layout.num_devices)]
     results = _on_ranks(
         layout.num_devices, _rank_window, model, per_rank, window_fn, lr, timeout_s=timeout_s
     )
-    return _same_on_every_rank(results, _flat(_parameters(model)), "window_fn")
+    return _same_on_every_rank(results, _parameters(model), "window_fn")
 
 
-def _rank_window(rank, world_size, model, per_rank, window_fn, lr) -> np.ndarray:
+def _rank_window(rank, world_size, model, per_rank, window_fn, lr) -> RankParameters:
     """One rank of `_window_on_ranks`: DDP around its own copy of the model, its cells."""
     del world_size
     wrapped = nn.parallel.DistributedDataParallel(model)
     _step(window_fn, wrapped, per_rank[rank], lr)
-    return _flat(_parameters(model))
+    return _rank0_parameters(rank, model)
 
 
 def _on_ranks(world_size, fn, model, data, *args, timeout_s: float) -> list[Any]:
     """``fn(rank, world_size, model, data, *args)`` on gloo ranks (`ddp.run`), each on its own copy.
 
-    ``model`` and ``data`` travel as ``torch.save`` bytes: as arguments,
+    ``model`` and ``data`` travel in a ``torch.save`` file: as arguments,
     torch.multiprocessing would hand the ranks the tensors in SHARED memory, and
     every rank would step the same parameters.
     """
-    buffer = io.BytesIO()
-    torch.save((copy.deepcopy(model).cpu(), data), buffer)
-    return ddp.run(world_size, _rank_main, fn, buffer.getvalue(), args, timeout_s=timeout_s)
+    with tempfile.TemporaryDirectory(prefix="torch_ref_audit_") as folder:
+        payload = os.path.join(folder, "model_and_data.pt")
+        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+        torch.save((model if on_cpu else copy.deepcopy(model).cpu(), data), payload)
+        return ddp.run(world_size, _rank_main, fn, payload, args, timeout_s=timeout_s)
 
 
-def _rank_main(rank, world_size, fn, payload: bytes, args) -> Any:
-    model, data = torch.load(io.BytesIO(payload), weights_only=False)
+def _rank_main(rank, world_size, fn, payload: str, args) -> Any:
+    model, data = torch.load(payload, weights_only=False)
     return fn(rank, world_size, model, data, *args)
 
 
-def _same_on_every_rank(results: list[np.ndarray], old: np.ndarray, what: str) -> np.ndarray:
+class RankParameters(NamedTuple):
+    """A rank's answer: rank 0's parameters after the update (None on the other ranks), and
+    the squared distance of this rank's parameters to them."""
+
+    params: list[np.ndarray] | None
+    distance_sq: float
+
+
+def _rank0_parameters(rank: int, model: nn.Module) -> RankParameters:
+    """Inside a rank: rank 0's parameters, and how far this rank's are from them (a broadcast
+    per parameter; only rank 0 sends its parameters back)."""
+    distance_sq = 0.0
+    for p in _parameters(model) if torch.distributed.is_initialized() else ():
+        theirs = p.detach().clone()
+        torch.distributed.broadcast(theirs, src=0)
+        distance_sq += float((p.detach() - theirs).double().square().sum())
+    return RankParameters(_numpy(_parameters(model)) if rank == 0 else None, distance_sq)
+
+
+def _same_on_every_rank(
+    results: list[RankParameters], old: list[nn.Parameter], what: str
+) -> list[np.ndarray]:
     """Rank 0's parameters, after checking that every rank holds them (DDP keeps replicas equal)."""
-    moved = max(float(np.linalg.norm(results[0] - old)), 1e-300)
-    for rank, params in enumerate(results[1:], start=1):
-        gap = float(np.linalg.norm(params - results[0])) / moved
+    new = results[0].params
+    moved_sq = sum(
+        float(np.sum(np.square(n.astype(np.float64) - p.detach().double().numpy())))
+        for n, p in zip(new, old, strict=True)
+    )
+    for rank, result in enumerate(results[1:], start=1):
+        gap = (result.distance_sq / max(moved_sq, 1e-300)) ** 0.5
         if not gap <= bigbatch.RESIDUAL_RTOL:
             raise ValueError(
                 f"{what}: rank {rank}'s parameters differ from rank 0's after the update by"
                 f" {gap:.1e} of it: the ranks did not apply one common update (a step outside"
                 " DistributedDataParallel's all-reduce, e.g. no_sync() around every micro-batch?)"
             )
-    return results[0]
+    return new
 
 
 # ---- the reference loss and its gradients -------------------------------------------------------
@@ -259,12 +300,14 @@ def _loss_values(loss_fn: LossFn, model: nn.Module, batch: Batch) -> tuple[torch
     return loss_sum, float(num_items)
 
 
-def _grad(loss_fn: LossFn, model: nn.Module, params: list[nn.Parameter], cell: Batch) -> np.ndarray:
-    """The gradient of the cell's summed reference loss, flat float64 (0 where unused)."""
+def _grad(
+    loss_fn: LossFn, model: nn.Module, params: list[nn.Parameter], cell: Batch
+) -> list[np.ndarray]:
+    """The gradient of the cell's summed reference loss, per parameter (0 where unused)."""
     loss_sum, _ = _loss_values(loss_fn, model, cell)
     if not loss_sum.requires_grad:  # no item, no graph: a zero gradient
-        return np.zeros(sum(p.numel() for p in params))
+        return [np.zeros(tuple(p.shape), np.float32) for p in params]
     grads = torch.autograd.grad(loss_sum, params, allow_unused=True)
-    return _flat(
+    return _numpy(
         [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
     )

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-IGNORE_INDEX = -100
+from bigbatch import IGNORE_INDEX
+
 UNITS = ("token", "sample")
 
 

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
+import _headlines  # examples/ is on the tests' path (pyproject.toml's pythonpath)
 import pytest
 
 pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
-
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent
-if str(EXAMPLES) not in sys.path:  # _headlines runs the example once for the docs' checks too
-    sys.path.insert(0, str(EXAMPLES))
-
-import _headlines  # noqa: E402
 
 
 def test_train_25_updates():
