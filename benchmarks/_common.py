@@ -122,7 +122,7 @@ class Section:
       body: markdown (tables, explanation).
       summary: rows ``(figure, measured, target, met)`` for the summary table;
         ``met`` is ``True``/``False``, or ``None`` for figures without a target.
-      data: raw figures (for tests and the JSON dump).
+      data: raw figures (for tests; ``quoted`` lists figures from other runs).
     """
 
     title: str

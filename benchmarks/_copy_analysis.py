@@ -44,6 +44,25 @@ HISTORY_0_1 = {
 }
 
 
+# The variants compared, in the table's order, and the donation columns.
+LABELS, DONATION = ("jaxaccum", "optax.MultiSteps"), (True, False)
+
+
+def in_p(r: dict, where: str) -> float:
+    """Bytes copied on a path (``between``, ``boundary``, ``window``) in units of P."""
+    return r[where + "_bytes"] / r["param_bytes"]
+
+
+def cell(r: dict, where: str) -> str:
+    """``copies (bytes in P)`` on a path."""
+    return f"{r[where + '_copies']} ({in_p(r, where):.1f} P)"
+
+
+def window_p(r: dict) -> str:
+    """The bytes copied per window, in P."""
+    return f"{in_p(r, 'window'):.1f} P"
+
+
 def analysis(results: list[dict], k: int) -> tuple[str, list[str]]:
     """The copy analysis, with this run's counts (largest model, AdamW).
 
@@ -57,31 +76,57 @@ def analysis(results: list[dict], k: int) -> tuple[str, list[str]]:
         for r in results
         if r["model"] == model and r["inner"] == "adamw"
     }
-    if not all(
-        (label, d) in pick for label in ("jaxaccum", "optax.MultiSteps") for d in (True, False)
-    ):
+    if not all((label, d) in pick for label in LABELS for d in DONATION):
         return "", []
-    in_p = lambda r, where: r[where + "_bytes"] / r["param_bytes"]
-    cell = lambda r, where: f"{r[where + '_copies']} ({in_p(r, where):.1f} P)"
-    window = lambda r: f"{r['window_bytes'] / r['param_bytes']:.1f} P"
+    lines = [
+        f"**Why, from the compiled HLO** ({model}, AdamW; parameter-shaped `copy` instructions "
+        "on each path, bytes in units of P = the parameters' bytes; per window = (k - 1) "
+        "micro-steps + the boundary):",
+        "",
+        copies_table(pick),
+        "",
+        *why_copies(pick),
+    ]
+    quoted = []
+    if model == HISTORY_MODEL and k == HISTORY_K:  # the model and window the 0.1 rows measured
+        quoted.append(f"section 1's jaxaccum 0.1 rows, measured on {HISTORY_DATE}")
+        lines += ["", against_0_1(pick[("jaxaccum", True)], pick[("jaxaccum", False)])]
+    return "\n".join(lines), quoted
+
+
+def copies_table(pick: dict[tuple[str, bool], dict]) -> str:
+    """Copies on a micro-step's path, at the boundary and per window, donated and not."""
     rows = [
         [label]
         + [
             x
-            for d in (True, False)
+            for d in DONATION
             for x in (
                 cell(pick[(label, d)], "between"),
                 cell(pick[(label, d)], "boundary"),
-                window(pick[(label, d)]),
+                window_p(pick[(label, d)]),
             )
         ]
-        for label in ("jaxaccum", "optax.MultiSteps")
+        for label in LABELS
     ]
+    header = [
+        "variant",
+        "donated: micro-step",
+        "donated: boundary",
+        "donated: per window",
+        "not donated: micro-step",
+        "not donated: boundary",
+        "not donated: per window",
+    ]
+    return table(header, rows)
+
+
+def why_copies(pick: dict[tuple[str, bool], dict]) -> list[str]:
+    """One bullet per variant: what its copies are, from the counts."""
     ours, ours_nd = pick[("jaxaccum", True)], pick[("jaxaccum", False)]
     theirs, theirs_nd = pick[("optax.MultiSteps", True)], pick[("optax.MultiSteps", False)]
     inner_p = ours["inner_bytes"] / ours["param_bytes"]  # the inner AdamW state, in P
     same_size = lambda r, where: abs(in_p(r, where) - inner_p) < 0.05  # to the table's 0.1 P
-
     if ours["between_copies"] == 0:
         donated = (
             "between boundaries the loop makes zero trips and its program has no parameter-shaped "
@@ -99,24 +144,7 @@ def analysis(results: list[dict], k: int) -> tuple[str, list[str]]:
         if same_size(ours_nd, "between")
         else f" (its inner AdamW state is {inner_p:.1f} P)"
     )
-    lines = [
-        f"**Why, from the compiled HLO** ({model}, AdamW; parameter-shaped `copy` instructions "
-        "on each path, bytes in units of P = the parameters' bytes; per window = (k - 1) "
-        "micro-steps + the boundary):",
-        "",
-        table(
-            [
-                "variant",
-                "donated: micro-step",
-                "donated: boundary",
-                "donated: per window",
-                "not donated: micro-step",
-                "not donated: boundary",
-                "not donated: per window",
-            ],
-            rows,
-        ),
-        "",
+    return [
         f"- *jaxaccum, donated.* The loop carry aliases the donated state buffers: {donated}. "
         f"The boundary's path has {cell(ours, 'boundary')}; the inner update there runs in a "
         "nested loop that makes one trip only for an applied window (no select over the inner "
@@ -128,36 +156,30 @@ def analysis(results: list[dict], k: int) -> tuple[str, list[str]]:
         "writes its outputs by recomputing AdamW on every call. Donate the train step's params "
         "and optimizer state (`donate_argnums`).",
     ]
-    quoted = []
-    if model == HISTORY_MODEL and k == HISTORY_K:  # the model and window the 0.1 rows measured
-        quoted.append(f"section 1's jaxaccum 0.1 rows, measured on {HISTORY_DATE}")
-        history = [
-            [label, donated_p, not_donated_p, f"{r_d:.2f}", f"{r_nd:.2f}"]
-            for label, (donated_p, not_donated_p, r_d, r_nd) in HISTORY_0_1.items()
-        ] + [
-            [
-                "jaxaccum, this run",
-                window(ours),
-                window(ours_nd),
-                f"{ours['ratio_window_cpu']:.2f}",
-                f"{ours_nd['ratio_window_cpu']:.2f}",
-            ]
+
+
+def against_0_1(ours: dict, ours_nd: dict) -> str:
+    """This run's jaxaccum copies and ratios per window next to jaxaccum 0.1's (quoted)."""
+    history = [
+        [label, donated_p, not_donated_p, f"{r_d:.2f}", f"{r_nd:.2f}"]
+        for label, (donated_p, not_donated_p, r_d, r_nd) in HISTORY_0_1.items()
+    ] + [
+        [
+            "jaxaccum, this run",
+            window_p(ours),
+            window_p(ours_nd),
+            f"{ours['ratio_window_cpu']:.2f}",
+            f"{ours_nd['ratio_window_cpu']:.2f}",
         ]
-        lines += [
-            "",
+    ]
+    header = ["variant", "copies, donated", "copies, not donated", "ratio, donated",
+              "ratio, not donated"]  # fmt: skip
+    return "\n".join(
+        [
             "Per window, against jaxaccum 0.1 (copies in P; per-window CPU-time ratio against "
             f"optax.MultiSteps; the 0.1 rows are not from this run: this benchmark measured them "
             f"on {HISTORY_DATE}):",
             "",
-            table(
-                [
-                    "variant",
-                    "copies, donated",
-                    "copies, not donated",
-                    "ratio, donated",
-                    "ratio, not donated",
-                ],  # fmt: skip
-                history,
-            ),
+            table(header, history),
         ]
-    return "\n".join(lines), quoted
+    )

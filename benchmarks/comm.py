@@ -142,7 +142,29 @@ def run(
     jax_results = jax_counts(model, k=k, devices=devices, rows=rows)
     timing = jit_time_ratio(model, k=k, devices=devices, rows=rows, rounds=rounds)
     torch_results = torch_counts(k=k) if torch else []
-    rows_ = [
+    body = [
+        f"{model.name}, {len(devices)} (CPU) devices, k = {k}. Static counts from the compiled "
+        "micro-step program: all-reduce instructions, the computation each sits in (entry: every "
+        "call; loop: jaxaccum's boundary loop, one trip per window), those on a micro-step's "
+        "path and on the boundary's path, and per window = (k - 1) x micro-step + boundary.",
+        "",
+        jax_counts_table(jax_results),
+        "",
+        jit_prose(jax_results, timing, devices),
+    ]
+    if torch_results:
+        body += ["", torch_counts_prose(torch_results, k)]
+    return Section(
+        "3. Communication: all-reduces per window",
+        "\n".join(body),
+        _summary(jax_results, torch_results, timing, k=k, n_devices=len(devices)),
+        {"jax": jax_results, "torch": torch_results},
+    )
+
+
+def jax_counts_table(jax_results: list[dict[str, Any]]) -> str:
+    """The compiled programs' all-reduces: where they sit, per path and per window."""
+    rows = [
         [
             r["name"],
             r["instructions"],
@@ -154,25 +176,20 @@ def run(
         ]
         for r in jax_results
     ]
-    body = [
-        f"{model.name}, {len(devices)} (CPU) devices, k = {k}. Static counts from the compiled "
-        "micro-step program: all-reduce instructions, the computation each sits in (entry: every "
-        "call; loop: jaxaccum's boundary loop, one trip per window), those on a micro-step's "
-        "path and on the boundary's path, and per window = (k - 1) x micro-step + boundary.",
-        "",
-        table(
-            [
-                "program",
-                "all-reduces in HLO",
-                "where",
-                "on a micro-step",
-                "at the boundary",
-                "per window",
-                "MiB all-reduced per window",
-            ],
-            rows_,
-        ),
+    header = [
+        "program",
+        "all-reduces in HLO",
+        "where",
+        "on a micro-step",
+        "at the boundary",
+        "per window",
+        "MiB all-reduced per window",
     ]
+    return table(header, rows)
+
+
+def jit_prose(jax_results: list[dict[str, Any]], timing: dict, devices: list) -> str:
+    """Plain jit with the axis name (unreduced sums) against without it (GSPMD), and their time."""
     gspmd = next(r for r in jax_results if "GSPMD" in r["name"])
     explicit = next(r for r in jax_results if "Explicit" in r["name"])
     mib = lambda r: f"{r['bytes_per_window'] / 2**20:.2f} MiB"
@@ -180,25 +197,33 @@ def run(
         f"{r['micro_step']} on a micro-step's path, {r['boundary']} at the boundary, "
         f"{r['per_window']} per window, {mib(r)}"
     )
-    body += [
-        "",
-        f"Under plain `jit` on an Explicit mesh with `axis_name`, the window's sums stay "
-        f"unreduced between calls and the boundary all-reduces them ({counts(explicit)}"
-        + (": the gradient, the loss and the items in one" if explicit["per_window"] == 1 else "")
-        + "). Without the axis name the state's `grad_sum` is replicated and XLA's partitioner "
-        f"places the all-reduces ({counts(gspmd)}); the update is the same "
-        "(`jaxaccum/_equivalence_test.py` checks it).",
-        "",
-        f"Per-window time on these {len(devices)} devices, jit with the axis name over jit "
-        f"without: {timing['ratio_wall']:.2f} wall-clock [rounds {timing['spread_wall']}] "
-        f"({1e3 * timing['window_wall'][0]:.1f} ms vs {1e3 * timing['window_wall'][1]:.1f} ms), "
-        f"{timing['ratio_cpu']:.2f} in CPU time. Informative only: these are "
-        f"{devices[0].platform.upper()} devices of one host, sharing its cores and memory; no "
-        "section of this report times an all-reduce over a real interconnect.",
-    ]
-    if torch_results:
-        body += [
+    return "\n".join(
+        [
+            f"Under plain `jit` on an Explicit mesh with `axis_name`, the window's sums stay "
+            f"unreduced between calls and the boundary all-reduces them ({counts(explicit)}"
+            + (
+                ": the gradient, the loss and the items in one"
+                if explicit["per_window"] == 1
+                else ""
+            )
+            + "). Without the axis name the state's `grad_sum` is replicated and XLA's partitioner "
+            f"places the all-reduces ({counts(gspmd)}); the update is the same "
+            "(`jaxaccum/_equivalence_test.py` checks it).",
             "",
+            f"Per-window time on these {len(devices)} devices, jit with the axis name over jit "
+            f"without: {timing['ratio_wall']:.2f} wall-clock [rounds {timing['spread_wall']}] "
+            f"({1e3 * timing['window_wall'][0]:.1f} ms vs {1e3 * timing['window_wall'][1]:.1f} ms), "
+            f"{timing['ratio_cpu']:.2f} in CPU time. Informative only: these are "
+            f"{devices[0].platform.upper()} devices of one host, sharing its cores and memory; no "
+            "section of this report times an all-reduce over a real interconnect.",
+        ]
+    )
+
+
+def torch_counts_prose(torch_results: list[dict[str, Any]], k: int) -> str:
+    """DDP's gradient bucket all-reduces per window, torch_ref against its bug."""
+    return "\n".join(
+        [
             f"PyTorch DDP, {torch_results[0]['world']} ranks on the CPU (gloo), tiny GPT, "
             f"k = {k}, counted by a DDP communication hook (median over windows; the hook sees "
             "DDP's gradient buckets only, not torch_ref's own all-reduces of a few scalars, "
@@ -209,9 +234,16 @@ def run(
                 [[r["name"], r["per_window"], r["synced_backwards"]] for r in torch_results],
             ),
         ]
+    )
+
+
+def _summary(
+    jax_results: list[dict], torch_results: list[dict], timing: dict, *, k: int, n_devices: int
+) -> list[tuple[str, str, str, bool | None]]:
+    """The time ratio (informative), then all-reduces per window against 1 (ours) or k."""
     summary = [
         (
-            f"per window, jit with axis name / jit without (GSPMD), {len(devices)} CPU devices",
+            f"per window, jit with axis name / jit without (GSPMD), {n_devices} CPU devices",
             f"{timing['ratio_wall']:.2f} [rounds {timing['spread_wall']}]",
             "(none; informative on CPU)",
             None,
@@ -236,9 +268,4 @@ def run(
                 r["per_window"] == int(target),
             )
         )
-    return Section(
-        "3. Communication: all-reduces per window",
-        "\n".join(body),
-        summary,
-        {"jax": jax_results, "torch": torch_results},
-    )
+    return summary

@@ -81,7 +81,7 @@ def run(
     )
     big = scan.build(model, None, global_rows)
     scanned = scan.build(model, k, global_rows)
-    window = micro_step.build(model, "jaxaccum[while]", "adamw", True, k, global_rows // k)
+    window = micro_step.build(model, "jaxaccum", "adamw", True, k, global_rows // k)
     t = _common.interleaved(
         {"big batch": big, "in-step scan": scanned, "multi_steps": window.window}, rounds
     )

@@ -41,8 +41,6 @@ class Variant:
     """One compiled train step, its live buffers and its per-call timings."""
 
     label: str  # "jaxaccum" or "optax.MultiSteps"
-    donate: bool
-    inner: str
     step: Any  # the compiled executable
     params: Any
     state: Any
@@ -88,7 +86,7 @@ def build(model: Model, label: str, inner: str, donate: bool, k: int, rows: int)
     batches = [jax.device_put(model.batch(rows, seed)) for seed in range(k)]
     jitted = jax.jit(step, donate_argnums=(0, 1) if donate else ())
     compiled = jitted.lower(params, state, batches[0]).compile()
-    return Variant(label, donate, inner, compiled, params, state, batches, compiled.as_text())
+    return Variant(label, compiled, params, state, batches, compiled.as_text())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ import optax
 
 import jaxaccum
 from benchmarks import _common
-from benchmarks._common import Section, mib, ms, table
+from benchmarks._common import Section, Timing, mib, ms, table
 from benchmarks._models import Model, copy_tree, mean_loss, stack
 from testkit import standard
 
@@ -99,26 +99,7 @@ def run(
     programs = {"big batch": build(model, None, global_rows)}
     for k in ks:
         programs[f"k={k}"] = build(model, k, global_rows)
-    timings = _common.interleaved(programs, rounds)
-    big = timings["big batch"]
-    big_temp = temp_bytes(programs["big batch"].compiled)
-    results = []
-    for name, program in programs.items():
-        t = timings[name]
-        temp = temp_bytes(program.compiled)
-        results.append(
-            {
-                "name": name,
-                "k": None if name == "big batch" else int(name[2:]),
-                "wall": t.wall,
-                "cpu": t.cpu,
-                "ratio_wall": _common.paired_ratio(t.walls, big.walls),
-                "ratio_cpu": _common.paired_ratio(t.cpus, big.cpus),
-                "spread_cpu": _common.paired_spread(t.cpus, big.cpus),
-                "temp_bytes": temp,
-                "temp_ratio": None if temp is None or not big_temp else temp / big_temp,
-            }
-        )
+    results = against_big_batch(programs, _common.interleaved(programs, rounds))
     rows = [
         [
             r["name"],
@@ -146,29 +127,58 @@ def run(
             _cores(results),
         ]
     )
-    at = next((r for r in results if r["k"] == target_k), None)
-    summary = []
-    if at is not None:
-        summary.append(
-            (
-                f"in-step scan / big batch, time, k={target_k} (CPU time)",
-                f"{at['ratio_cpu']:.2f} [rounds {at['spread_cpu']}] (wall {at['ratio_wall']:.2f})",
-                "<= 1.15",
-                at["ratio_cpu"] <= 1.15,
-            )
-        )
-        if at["temp_ratio"] is not None:
-            summary.append(
-                (
-                    f"in-step scan / big batch, temporary memory, k={target_k}",
-                    f"{at['temp_ratio']:.3f}",
-                    f"~ 1/{target_k} = {1 / target_k:.3f} (activations)",
-                    at["temp_ratio"] <= 2.0 / target_k,
-                )
-            )
     return Section(
         "2. In-step scan vs big batch: jaxaccum.accumulate_gradients",
         body,
-        summary,
+        _summary(results, target_k),
         {"results": results},
     )
+
+
+def against_big_batch(programs: dict[str, Program], timings: dict[str, Timing]) -> list[dict]:
+    """Each step's times and temporary memory, and their ratios to the big-batch step's."""
+    big = timings["big batch"]
+    big_temp = temp_bytes(programs["big batch"].compiled)
+    results = []
+    for name, program in programs.items():
+        t = timings[name]
+        temp = temp_bytes(program.compiled)
+        results.append(
+            {
+                "name": name,
+                "k": None if name == "big batch" else int(name[2:]),
+                "wall": t.wall,
+                "cpu": t.cpu,
+                "ratio_wall": _common.paired_ratio(t.walls, big.walls),
+                "ratio_cpu": _common.paired_ratio(t.cpus, big.cpus),
+                "spread_cpu": _common.paired_spread(t.cpus, big.cpus),
+                "temp_bytes": temp,
+                "temp_ratio": None if temp is None or not big_temp else temp / big_temp,
+            }
+        )
+    return results
+
+
+def _summary(results: list[dict], target_k: int) -> list[tuple[str, str, str, bool | None]]:
+    """At ``target_k``: the time ratio (target <= 1.15) and the memory ratio (~ 1/k)."""
+    at = next((r for r in results if r["k"] == target_k), None)
+    if at is None:
+        return []
+    summary = [
+        (
+            f"in-step scan / big batch, time, k={target_k} (CPU time)",
+            f"{at['ratio_cpu']:.2f} [rounds {at['spread_cpu']}] (wall {at['ratio_wall']:.2f})",
+            "<= 1.15",
+            at["ratio_cpu"] <= 1.15,
+        )
+    ]
+    if at["temp_ratio"] is not None:
+        summary.append(
+            (
+                f"in-step scan / big batch, temporary memory, k={target_k}",
+                f"{at['temp_ratio']:.3f}",
+                f"~ 1/{target_k} = {1 / target_k:.3f} (activations)",
+                at["temp_ratio"] <= 2.0 / target_k,
+            )
+        )
+    return summary
