@@ -14,7 +14,7 @@ import bigbatch
 from bigbatch import SkipReason
 
 RECORD_KEYS: tuple[str, ...] = (*bigbatch.RECORD_KEYS, "learning_rate")
-"""The keys of a torch_ref record: ``bigbatch.RECORD_KEYS`` (``jaxaccum.WindowMetrics``') + the LR."""
+"""A record's keys: ``bigbatch.RECORD_KEYS`` (those of ``jaxaccum.WindowMetrics``) and the LR."""
 
 
 @dataclasses.dataclass
@@ -32,6 +32,15 @@ class Progress:
     update_id: int = 0
     cumulative_items: float = 0.0
     skip_count: int = 0
+
+    def advance(self, micro_batches: int, window_items: float, reason: SkipReason) -> None:
+        """Counts a window: its micro-batches always; an update and its items only if applied."""
+        self.micro_step += micro_batches
+        if reason == SkipReason.APPLIED:
+            self.update_id += 1
+            self.cumulative_items += window_items
+        else:
+            self.skip_count += 1
 
 
 def record(

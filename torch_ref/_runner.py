@@ -29,6 +29,7 @@ from torch_ref import buggy, ddp
 from torch_ref._instrument import WindowProbe
 from torch_ref._record import Progress
 from torch_ref._scenario import SGD, AdamW, Scenario, ScenarioResult
+from torch_ref._steps import Microbatch
 from torch_ref._train import train_update
 
 AUTOCAST = {"fp32": None, "fp64": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -54,31 +55,12 @@ def run_on_rank(
         raise ValueError(
             f"windows: expected {world_size} ranks per window, got {scenario.world_size}"
         )
-    model = TinyGPT(scenario.config)
-    if scenario.precision == "fp64":
-        model.double()
-    load_state_dict_numpy(model, scenario.weights)
-    model.to(device)
-    wrapped: nn.Module = model
-    if world_size > 1:
-        ids = [device.index] if device.type == "cuda" else None
-        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    model, wrapped = _model_on_rank(scenario, world_size, device)
     probe = WindowProbe(rank, scenario.inf_microbatches)
     counted = wrapped if scenario.count_comm and world_size > 1 else None
     probe.attach(model, counted)
-
     optimizer = _optimizer(scenario.optimizer, model.parameters())
-    settings: dict[str, Any] = dict(
-        scheduler=_scheduler(scenario, optimizer),
-        max_grad_norm=scenario.max_grad_norm,
-        scaler=_grad_scaler(scenario, device),
-        unit=scenario.unit,
-        empty_window=scenario.empty_window,
-        autocast_dtype=AUTOCAST[scenario.precision],
-        variant=buggy.variant(scenario.bug),
-        nominal_k=scenario.nominal_k or len(scenario.windows[0][0]),
-        progress=Progress(),
-    )
+    settings = _update_settings(scenario, optimizer, device)
     result = ScenarioResult(
         records=[],
         params=[],
@@ -87,13 +69,7 @@ def run_on_rank(
     )
     for u, window in enumerate(scenario.windows):
         probe.new_window(u)
-        microbatches = [
-            {
-                key: torch.from_numpy(np.asarray(mb[key], np.int64))
-                for key in ("input_ids", "labels")
-            }
-            for mb in window[rank]
-        ]
+        microbatches = _torch_microbatches(window[rank])
         result.records.append(train_update(wrapped, microbatches, optimizer, **settings))
         result.params.append(_numpy(dict(model.named_parameters())))
         if result.grads is not None:
@@ -161,7 +137,48 @@ def _ranks_main(rank: int, world_size: int, scenarios: list[Scenario]) -> list[S
     return results
 
 
+def _model_on_rank(
+    scenario: Scenario, world_size: int, device: torch.device
+) -> tuple[TinyGPT, nn.Module]:
+    """(the scenario's TinyGPT on ``device``, the module to train: DDP-wrapped for R > 1)."""
+    model = TinyGPT(scenario.config)
+    if scenario.precision == "fp64":
+        model.double()
+    load_state_dict_numpy(model, scenario.weights)
+    model.to(device)
+    if world_size == 1:
+        return model, model
+    ids = [device.index] if device.type == "cuda" else None
+    return model, nn.parallel.DistributedDataParallel(model, device_ids=ids)
+
+
+def _update_settings(
+    scenario: Scenario, optimizer: torch.optim.Optimizer, device: torch.device
+) -> dict[str, Any]:
+    """The keyword arguments of `train_update` the scenario describes (fresh counters)."""
+    return dict(
+        scheduler=_scheduler(scenario, optimizer),
+        max_grad_norm=scenario.max_grad_norm,
+        scaler=_grad_scaler(scenario, device),
+        unit=scenario.unit,
+        empty_window=scenario.empty_window,
+        autocast_dtype=AUTOCAST[scenario.precision],
+        variant=buggy.variant(scenario.bug),
+        nominal_k=scenario.nominal_k or len(scenario.windows[0][0]),
+        progress=Progress(),
+    )
+
+
+def _torch_microbatches(microbatches: Sequence[dict[str, np.ndarray]]) -> list[Microbatch]:
+    """One rank's micro-batches of a window as int64 tensors (``input_ids``, ``labels``)."""
+    return [
+        {key: torch.from_numpy(np.asarray(mb[key], np.int64)) for key in ("input_ids", "labels")}
+        for mb in microbatches
+    ]
+
+
 def _optimizer(settings: AdamW | SGD, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The torch optimizer of the scenario's settings."""
     if isinstance(settings, AdamW):
         return torch.optim.AdamW(
             params,
@@ -194,6 +211,7 @@ def _grad_scaler(scenario: Scenario, device: torch.device) -> torch.amp.GradScal
 
 
 def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+    """The parameter's gradient (zeros where it took none)."""
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 

@@ -1,75 +1,35 @@
-"""The pieces of `torch_ref.train_update` around its loop: the choices and the arithmetic.
+"""The pieces of `torch_ref.train_update` around its loop: placement, collectives, arithmetic.
 
-The loop itself reads top to bottom in ``_train.py``; here are the choices it
-makes at its decision points (`objective_scale`, `no_sync_scopes`,
-`backward_clipped`, each reading one switch of a `torch_ref.buggy.Variant`), the
-one all-reduce of a few scalars (`sum_over_ranks`), and the global norm and
-clipping factor of ``torch.nn.utils.clip_grad_norm_`` (`global_norm`,
-`clip_coef`, `scale_grads`).
+The loop itself reads top to bottom in ``_train.py``, and the choices at its
+decision points are the hooks of `torch_ref.buggy.Variant`. Here is what they
+share: where the model runs (`placement`), the micro-batch's
+forward and summed loss (`forward_loss_sum`), the one all-reduce of a few
+scalars (`sum_over_ranks`, `window_items`), the global norm and clipping factor
+of ``torch.nn.utils.clip_grad_norm_`` (`global_norm`, `clip_coef`,
+`scale_grads`, `backward_clipped`) and the GradScaler-aware step
+(`optimizer_step`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch_ref._loss import UNITS
-from torch_ref.buggy import Variant
+from torch_ref._loss import causal_lm_loss_sum
 
 Microbatch = dict[str, torch.Tensor]
-
-
-def objective_scale(
-    objective: str,
-    *,
-    world_size: int,
-    window_items: float,
-    rank_items: float,
-    microbatch_items: int,
-    k: float,
-) -> float:
-    """Decision 1: the factor c of the micro-batch's objective ``c * loss_sum``.
-
-    ``global_sum`` (the reference): ``R / N``; DDP's average over R then gives
-    ``sum / N``. The bugs' factors are in `torch_ref.buggy`; a factor whose
-    divisor is 0 is 0 (that micro-batch or rank has no item).
-    """
-    multiplier, divisor = {
-        "global_sum": (world_size, window_items),
-        "global_sum_no_R": (1.0, window_items),
-        "rank_mean": (1.0, rank_items),
-        "microbatch_mean": (1.0, float(microbatch_items)),
-        "mean_of_means": (1.0, microbatch_items * k),
-    }[objective]
-    return multiplier / divisor if divisor else 0.0
-
-
-def no_sync_scopes(
-    ddp: nn.parallel.DistributedDataParallel | None, no_sync: str, last: bool
-) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
-    """Decision 2: the (forward, backward) contexts of one micro-batch.
-
-    The reference enters ``ddp.no_sync()`` before the forward of every micro-batch
-    but the last (DDP decides at forward time whether the backward all-reduces);
-    the backward runs inside it.
-    """
-    if ddp is None or last or no_sync == "never":
-        return contextlib.nullcontext(), contextlib.nullcontext()
-    if no_sync == "backward_only":
-        return contextlib.nullcontext(), ddp.no_sync()
-    return ddp.no_sync(), contextlib.nullcontext()
 
 
 def backward_clipped(
     objective: torch.Tensor, params: Sequence[nn.Parameter], max_norm: float | None
 ) -> None:
     """Decision 3, per micro-batch: backward, clip THIS micro-batch's gradient, add it."""
-    assert max_norm is not None  # checked by check_arguments
+    assert max_norm is not None  # checked by Variant.check
     accumulated = [p.grad for p in params]
     for p in params:
         p.grad = None
@@ -83,38 +43,44 @@ def backward_clipped(
                 p.grad.add_(acc)
 
 
-def check_arguments(
-    microbatches: Sequence[Microbatch],
-    unit: str,
-    empty_window: str,
-    variant: Variant,
-    max_grad_norm: float | None,
-    scaler: torch.amp.GradScaler | None,
-    nominal_k: int | None,
-) -> None:
-    """Raises ValueError, naming the argument, for what `train_update` cannot run."""
-    if unit not in UNITS:
-        raise ValueError(f"unit: expected one of {UNITS}, got {unit!r}")
-    if empty_window not in ("raise", "skip"):
-        raise ValueError(f"empty_window: expected 'raise' or 'skip', got {empty_window!r}")
-    if not isinstance(variant, Variant):
-        raise ValueError(f"variant: expected a torch_ref.buggy.Variant, got {variant!r}")
-    if variant.tail_divisor == "nominal_k" and not nominal_k:
-        raise ValueError(f"nominal_k: variant {variant.name!r} needs the configured k (>= 1)")
-    if variant.clip == "per_microbatch" and (max_grad_norm is None or scaler is not None):
-        raise ValueError(f"variant {variant.name!r} needs max_grad_norm and no scaler")
-    if len(microbatches) == 0:
-        raise ValueError("microbatches: expected at least one micro-batch in the window")
-
-
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     """``torch.autocast`` on the model's device type for ``dtype`` (None: no autocast)."""
     return torch.autocast(device.type, dtype) if dtype is not None else contextlib.nullcontext()
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside a DistributedDataParallel wrapper (or the model itself)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+class Placement(NamedTuple):
+    """Where the model runs.
+
+    Attributes:
+      ddp: its DistributedDataParallel wrapper, or None for a plain module.
+      world_size: R, the ranks of its process group (1 without DDP).
+      params: the parameters that take a gradient (those inside the wrapper).
+      device: their device, where the micro-batches go.
+    """
+
+    ddp: nn.parallel.DistributedDataParallel | None
+    world_size: int
+    params: list[nn.Parameter]
+    device: torch.device
+
+
+def placement(model: nn.Module) -> Placement:
+    """The `Placement` of a plain module or a DistributedDataParallel one."""
+    ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
+    world_size = dist.get_world_size(ddp.process_group) if ddp is not None else 1
+    module = ddp.module if ddp is not None else model
+    params = [p for p in module.parameters() if p.requires_grad]
+    return Placement(ddp, world_size, params, params[0].device)
+
+
+def forward_loss_sum(
+    model: nn.Module, microbatch: Microbatch, unit: str, autocast_dtype: torch.dtype | None
+) -> torch.Tensor:
+    """The micro-batch's summed loss: the forward under `autocast`, the loss in float32."""
+    with autocast(microbatch["input_ids"].device, autocast_dtype):
+        logits = model(microbatch["input_ids"])
+    loss_sum, _ = causal_lm_loss_sum(logits, microbatch["labels"], unit)
+    return loss_sum
 
 
 def sum_over_ranks(
@@ -125,6 +91,27 @@ def sum_over_ranks(
     if ddp is not None:
         dist.all_reduce(stacked, op=dist.ReduceOp.SUM, group=ddp.process_group)
     return [float(x) for x in stacked.tolist()]
+
+
+def window_items(
+    ddp: nn.parallel.DistributedDataParallel | None,
+    world_size: int,
+    microbatch_items: Sequence[int],
+    device: torch.device,
+) -> float:
+    """N: this rank's items summed over the ranks (one all-reduce, with the micro-batch count).
+
+    Raises:
+      ValueError: the ranks pass different numbers of micro-batches.
+    """
+    k = len(microbatch_items)
+    items, ranks_k = sum_over_ranks(ddp, [float(sum(microbatch_items)), float(k)], device)
+    if ranks_k != k * world_size:
+        raise ValueError(
+            f"microbatches: every rank must pass the same number of micro-batches; this rank "
+            f"has {k}, the {world_size} ranks have {int(ranks_k)} in total"
+        )
+    return items
 
 
 def global_norm(params: Sequence[nn.Parameter]) -> torch.Tensor:
@@ -148,3 +135,23 @@ def scale_grads(params: Sequence[nn.Parameter], coef: float) -> None:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(coef)
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, finite: bool
+) -> tuple[bool, float]:
+    """Steps once if the window is finite: (skipped, the loss scale of the NEXT window).
+
+    With a GradScaler: ``scaler.step`` (which would also skip on inf/NaN gradients),
+    then ``scaler.update``, which backs the scale off iff ``unscale_`` found an
+    inf/NaN; a backed-off window counts as skipped. Without one the scale is 1.0.
+    """
+    if scaler is None:
+        if finite:
+            optimizer.step()
+        return not finite, 1.0
+    scale = scaler.get_scale()
+    if finite:
+        scaler.step(optimizer)
+    scaler.update()
+    return not finite or scaler.get_scale() < scale, float(scaler.get_scale())

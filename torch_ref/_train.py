@@ -21,22 +21,23 @@ and `train_update` computes exactly grad L (``docs/math.md``), top to bottom:
 
 A short (tail) window is normalized by its own items, like any window. The
 known bugs are the same loop with other choices at its five decision points
-(`torch_ref.buggy`, ``variant=``); the comments ``# decision n`` mark them.
+(`torch_ref.buggy`, ``variant=``): the loop asks the `Variant`'s hooks there
+(``divisors``, ``objective_scale``, ``no_sync_scopes``, ``backward``,
+``clip_window``, ``after_microbatch``, ``after_update``); the reference's
+hooks make the choices above.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from torch_ref import _steps as steps
-from torch_ref._loss import causal_lm_loss_sum, count_items
+from torch_ref._loss import UNITS, count_items
 from torch_ref._record import Progress, SkipReason, record
 from torch_ref._steps import Microbatch
 from torch_ref.buggy import REFERENCE, Variant
@@ -59,13 +60,15 @@ def train_update(
 ) -> dict[str, Any]:
     """Applies one optimizer update equal to the big-batch update of the window.
 
-    Math: with N the window's items (all micro-batches, all ranks) and R the world
-    size, each micro-batch backpropagates ``loss_sum * R / N``; DDP averages, so
-    the optimizer sees ``g = grad(sum of all loss sums) / N``. Then once:
-    ``grad_norm = ||g||_2``; with ``max_grad_norm``, ``g <- g * min(1,
-    max_grad_norm / (grad_norm + 1e-6))``; step. A window whose norm or loss is
-    not finite is skipped (a GradScaler also backs its scale off), and so is an
-    empty one with ``empty_window="skip"``: no step, no scheduler step.
+    Math (``docs/math.md``), with N the window's items (all micro-batches, all
+    ranks) and R the world size: micro-batch m backpropagates ``loss_sum_m * R / N``
+    and DDP averages over the ranks, so the optimizer steps once on
+
+        g = grad(sum of all loss sums) / N,   g <- g * min(1, max_grad_norm / (||g||_2 + 1e-6))
+
+    (the clip only with ``max_grad_norm``). A window whose norm or loss is not
+    finite is skipped (a GradScaler also backs its scale off), and so is an empty
+    one with ``empty_window="skip"``: no step, no scheduler step.
 
     Args:
       model: maps ``input_ids`` [B, T] to logits [B, T, V]; plain (world size 1)
@@ -77,7 +80,7 @@ def train_update(
       scheduler: an optional LR scheduler, stepped once per APPLIED update.
       max_grad_norm: clip the window gradient to this global L2 norm (None: no clip).
       scaler: an optional ``torch.amp.GradScaler``: the loss is scaled per
-        micro-batch, unscaled once at the boundary.
+        micro-batch, unscaled once at the boundary (a disabled one does nothing).
       unit: "token" or "sample" (`torch_ref.causal_lm_loss_sum`).
       empty_window: "raise" (ValueError when N == 0) or "skip".
       progress: the `Progress` counters, mutated in place (a fresh one if None).
@@ -112,115 +115,93 @@ def train_update(
       >>> rec["update_id"], rec["window_items"]
       (1, 30.0)
     """
-    steps.check_arguments(
-        microbatches, unit, empty_window, variant, max_grad_norm, scaler, nominal_k
-    )
+    _check_arguments(microbatches, unit, empty_window, variant, max_grad_norm, scaler, nominal_k)
     progress = progress if progress is not None else Progress()
-    ddp = model if isinstance(model, nn.parallel.DistributedDataParallel) else None
-    group = ddp.process_group if ddp is not None else None
-    world_size = dist.get_world_size(group) if ddp is not None else 1
-    amp = scaler if scaler is not None and scaler.is_enabled() else None
-    params = [p for p in steps.unwrap(model).parameters() if p.requires_grad]
-    device = params[0].device
+    ddp, world_size, params, device = steps.placement(model)
     batches = [{key: mb[key].to(device) for key in ("input_ids", "labels")} for mb in microbatches]
     k = len(batches)
 
     # 1. Count the window's items before any backward; all-reduce (SUM).
-    microbatch_items = [count_items(mb["labels"], unit) for mb in batches]
-    rank_items = float(sum(microbatch_items))
-    window_items, ranks_k = steps.sum_over_ranks(ddp, [rank_items, float(k)], device)
-    if ranks_k != k * world_size:
-        raise ValueError(
-            f"microbatches: every rank must pass the same number of micro-batches; this rank "
-            f"has {k}, the {world_size} ranks have {int(ranks_k)} in total"
-        )
+    items = [count_items(mb["labels"], unit) for mb in batches]
+    window_items = steps.window_items(ddp, world_size, items, device)
     optimizer.zero_grad(set_to_none=True)
-    loss_scale = float(amp.get_scale()) if amp is not None else 1.0
     if window_items == 0:
-        if empty_window == "raise":
-            raise ValueError(
-                f"microbatches: the window has no items (unit={unit!r}: no label != -100 after "
-                f"the causal shift on any rank); pass empty_window='skip' to skip it"
-            )
-        progress.micro_step += k
-        progress.skip_count += 1
-        lr = float(optimizer.param_groups[0]["lr"])
-        return record(progress, 0.0, math.nan, 0.0, 0.0, SkipReason.EMPTY, lr, loss_scale)
+        return _skip_empty_window(progress, k, unit, empty_window, optimizer, scaler)
 
-    # decision 5: variant.tail_divisor: the divisors of this window, or of a nominal_k one.
-    stretch = nominal_k / k if variant.tail_divisor == "nominal_k" else 1.0
-
-    # 2. Per micro-batch: forward, summed loss, backward of loss_sum * R / N.
+    # 2. Per micro-batch: forward, summed loss, backward of loss_sum * R / N. The variant's
+    # hooks make the choices: divisors (decision 5), objective_scale (1), no_sync_scopes (2),
+    # backward (3), after_microbatch (4).
+    divisors = variant.divisors(window_items, float(sum(items)), k, nominal_k)
     objective_sum = torch.zeros((), dtype=torch.float64, device=device)
     for m, mb in enumerate(batches):
-        # decision 1: variant.objective, the factor of this micro-batch's summed loss
-        scale = steps.objective_scale(
-            variant.objective,
-            world_size=world_size,
-            window_items=window_items * stretch,
-            rank_items=rank_items * stretch,
-            microbatch_items=microbatch_items[m],
-            k=k * stretch,
-        )
-        # decision 2: variant.no_sync, what no_sync() wraps
-        forward_scope, backward_scope = steps.no_sync_scopes(ddp, variant.no_sync, m == k - 1)
+        scale = variant.objective_scale(divisors, items[m], world_size)
+        forward_scope, backward_scope = variant.no_sync_scopes(ddp, last=m == k - 1)
         with forward_scope:
-            with steps.autocast(device, autocast_dtype):
-                logits = model(mb["input_ids"])
-            loss_sum, _ = causal_lm_loss_sum(logits, mb["labels"], unit)
-            objective = loss_sum * scale
+            loss_sum = steps.forward_loss_sum(model, mb, unit, autocast_dtype)
             with backward_scope:
-                if variant.clip == "per_microbatch":  # decision 3: variant.clip (see below)
-                    steps.backward_clipped(objective, params, max_grad_norm)
-                else:
-                    (amp.scale(objective) if amp is not None else objective).backward()
+                variant.backward(loss_sum * scale, params, scaler, max_grad_norm)
         objective_sum += loss_sum.detach().to(torch.float64) * scale
-        # decision 4: variant.scheduler, when the scheduler steps (see below)
-        if variant.scheduler == "per_microbatch" and scheduler is not None:
-            with warnings.catch_warnings():  # torch warns: scheduler before optimizer
-                warnings.simplefilter("ignore")
-                scheduler.step()
+        variant.after_microbatch(scheduler)
 
-    # 3. At the boundary, once: the window loss, unscale, norm, clip, step.
-    (loss,) = steps.sum_over_ranks(ddp, [objective_sum], device)
-    loss /= world_size  # the objective whose gradient DDP averaged: sum / N for the reference
-    if amp is not None:
-        amp.unscale_(optimizer)
+    # 3. At the boundary, once: the window loss, unscale, norm, clip (decision 3), step.
+    # the objective whose gradient DDP averaged: sum / N for the reference
+    loss = steps.sum_over_ranks(ddp, [objective_sum], device)[0] / world_size
+    if scaler is not None:
+        scaler.unscale_(optimizer)
     grad_norm = float(steps.global_norm(params).item())
     finite = math.isfinite(grad_norm) and math.isfinite(loss)
-    clip_coef = 1.0
-    # decision 3: variant.clip, clip the window (here) or each micro-batch (above)
-    if max_grad_norm is not None and finite and variant.clip == "window":
-        clip_coef = steps.clip_coef(grad_norm, max_grad_norm)
-        steps.scale_grads(params, clip_coef)
+    clip_coef = variant.clip_window(params, grad_norm, max_grad_norm) if finite else 1.0
     lr = float(optimizer.param_groups[0]["lr"])  # the LR this step uses
-    if amp is not None:
-        if finite:
-            amp.step(optimizer)  # would also skip optimizer.step() on inf/NaN gradients
-        amp.update()  # backs the scale off iff unscale_ found an inf/NaN
-        skipped = not finite or amp.get_scale() < loss_scale
-        loss_scale = float(amp.get_scale())  # the scale of the next window
-    else:
-        if finite:
-            optimizer.step()
-        skipped = not finite
+    skipped, loss_scale = steps.optimizer_step(optimizer, scaler, finite)
 
-    # 4. The counters advance only with a real update.
-    progress.micro_step += k
-    if skipped:
-        progress.skip_count += 1
-        return record(
-            progress, window_items, loss, grad_norm, grad_norm, SkipReason.NONFINITE, lr, loss_scale
+    # 4. The counters and the scheduler (decision 4) advance only with a real update.
+    reason = SkipReason.NONFINITE if skipped else SkipReason.APPLIED
+    progress.advance(k, window_items, reason)
+    if not skipped:
+        variant.after_update(scheduler)
+    clipped = grad_norm if skipped else grad_norm * clip_coef
+    return record(progress, window_items, loss, grad_norm, clipped, reason, lr, loss_scale)
+
+
+def _check_arguments(
+    microbatches: Sequence[Microbatch],
+    unit: str,
+    empty_window: str,
+    variant: Variant,
+    max_grad_norm: float | None,
+    scaler: torch.amp.GradScaler | None,
+    nominal_k: int | None,
+) -> None:
+    """Raises ValueError, naming the argument, for what `train_update` cannot run."""
+    if unit not in UNITS:
+        raise ValueError(f"unit: expected one of {UNITS}, got {unit!r}")
+    if empty_window not in ("raise", "skip"):
+        raise ValueError(f"empty_window: expected 'raise' or 'skip', got {empty_window!r}")
+    if not isinstance(variant, Variant):
+        raise ValueError(f"variant: expected a torch_ref.buggy.Variant, got {variant!r}")
+    variant.check(max_grad_norm, scaler, nominal_k)
+    if len(microbatches) == 0:
+        raise ValueError("microbatches: expected at least one micro-batch in the window")
+
+
+def _skip_empty_window(
+    progress: Progress,
+    k: int,
+    unit: str,
+    empty_window: str,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+) -> dict[str, Any]:
+    """The record of a window without items (no step; NaN loss), or ValueError for "raise"."""
+    if empty_window == "raise":
+        raise ValueError(
+            f"microbatches: the window has no items (unit={unit!r}: no label != -100 after "
+            f"the causal shift on any rank); pass empty_window='skip' to skip it"
         )
-    # decision 4: variant.scheduler, once per applied update (here) or per micro-batch (above)
-    if variant.scheduler == "per_update" and scheduler is not None:
-        scheduler.step()
-    progress.update_id += 1
-    progress.cumulative_items += window_items
-    clipped = grad_norm * clip_coef
-    return record(
-        progress, window_items, loss, grad_norm, clipped, SkipReason.APPLIED, lr, loss_scale
-    )
+    progress.advance(k, 0.0, SkipReason.EMPTY)
+    lr = float(optimizer.param_groups[0]["lr"])
+    loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
+    return record(progress, 0.0, math.nan, 0.0, 0.0, SkipReason.EMPTY, lr, loss_scale)
 
 
 def windows_of(

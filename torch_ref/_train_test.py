@@ -225,6 +225,15 @@ def test_loss_scale_is_constant_inside_a_window():
     assert (rec0["loss_scale"], rec1["loss_scale"]) == (512.0, 512.0)  # the NEXT window's scale
 
 
+def test_an_init_scale_float32_cannot_hold_does_not_skip_the_first_window():
+    # GradScaler keeps its scale in float32: 0.7 becomes 0.69999998..., which is no back-off.
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=0.7)
+    rec = train_update(model, microbatches(*skewed_batch(0), 2), opt, scaler=scaler)
+    assert (rec["skipped"], rec["update_id"], rec["loss_scale"]) == (False, 1, scaler.get_scale())
+
+
 def test_low_precision_runs_stay_close_to_fp32():
     ids, labels = skewed_batch(9)
     windows = [split_window(ids, labels, 1, 2) for _ in range(3)]
