@@ -34,6 +34,7 @@ from bigbatch._fit import (
 )
 from bigbatch._forms import (
     BUG_NAMES,
+    COUNT_FORMS,
     EXACT,
     FIXES,
     FORM_NAMES,
@@ -42,7 +43,8 @@ from bigbatch._forms import (
     checkable_forms,
     form_weights,
 )
-from bigbatch._layout import CellLayout, layout_rows, tail_microbatches
+from bigbatch._invariance import INVARIANCE_RTOL, InvarianceReport, invariance_report
+from bigbatch._layout import CellLayout, first_labels_of, layout_rows, tail_microbatches
 from bigbatch._products import CELL_MEMORY, CellProducts, cell_products
 from bigbatch._records import IGNORE_INDEX, RECORD_KEYS, SkipReason
 from bigbatch._report import UNKNOWN, AuditReport
@@ -50,11 +52,13 @@ from bigbatch._report import UNKNOWN, AuditReport
 __all__ = [
     "BUG_NAMES",
     "CELL_MEMORY",
+    "COUNT_FORMS",
     "EXACT",
     "FIXES",
     "FORMULAS",
     "FORM_NAMES",
     "IGNORE_INDEX",
+    "INVARIANCE_RTOL",
     "ITEMS_RTOL",
     "LOSS_RTOL",
     "MAX_CONDITION",
@@ -68,6 +72,7 @@ __all__ = [
     "AuditReport",
     "CellLayout",
     "CellProducts",
+    "InvarianceReport",
     "SkipReason",
     "audit_update",
     "check_layout",
@@ -76,7 +81,9 @@ __all__ = [
     "check_window",
     "cell_products",
     "checkable_forms",
+    "first_labels_of",
     "form_weights",
+    "invariance_report",
     "layout_rows",
     "tail_microbatches",
 ]

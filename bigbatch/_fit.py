@@ -43,7 +43,13 @@ import numbers
 
 import numpy as np
 
-from bigbatch._forms import EXACT, FIXED_DIVISOR_TAIL, checkable_forms, form_weights
+from bigbatch._forms import (
+    COUNT_FORMS,
+    EXACT,
+    FIXED_DIVISOR_TAIL,
+    checkable_forms,
+    form_weights,
+)
 from bigbatch._layout import CellLayout
 from bigbatch._products import CellProducts
 from bigbatch._report import UNKNOWN, AuditReport
@@ -103,7 +109,10 @@ def check_layout(layout: CellLayout) -> tuple[str, ...]:
     Returns:
       The forms to check, in the order a verdict prefers them: ``"exact"``
       first, then (in a short window) ``"fixed_divisor_tail"``, then the others
-      in ``FORM_NAMES`` order.
+      in ``FORM_NAMES`` order, then, when the rows' labels are known and some
+      set position 0, the :data:`COUNT_FORMS` (a uniform scale that may be close
+      to 1: not held to ``SEPARATION``; within ``WEIGHT_RTOL`` of the big batch
+      both are listed).
 
     Example:
       >>> from bigbatch import layout_rows
@@ -126,6 +135,8 @@ def check_layout(layout: CellLayout) -> tuple[str, ...]:
                 f" items per cell {items.tolist()}); pass rows whose items differ, e.g. mask the"
                 " labels of some rows (-100) and shorten others"
             )
+    if layout.first_labels is not None and np.sum(layout.first_labels) > 0:
+        forms = (*forms, *COUNT_FORMS)
     return forms
 
 
@@ -264,6 +275,7 @@ def audit_update(
         form_errors=errors,
         matches=matches,
         k=layout.k,
+        first_labels=layout.first_labels,
         condition=condition,
         residual_tolerance=RESIDUAL_RTOL,
         weight_tolerance=WEIGHT_RTOL,
@@ -308,6 +320,5 @@ def _fit(products: CellProducts, items: np.ndarray) -> tuple[np.ndarray, float]:
 def _form_error(weights: np.ndarray, layout: CellLayout, name: str) -> float:
     """The largest relative error of the fitted weights against one form's, over full cells."""
     full = layout.items > 0
-    return float(
-        np.max(np.abs(weights[full] / form_weights(name, layout.items, k=layout.k)[full] - 1))
-    )
+    expected = form_weights(name, layout.items, k=layout.k, first_labels=layout.first_labels)
+    return float(np.max(np.abs(weights[full] / expected[full] - 1)))

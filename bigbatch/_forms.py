@@ -17,6 +17,10 @@ and differs only in ``w_c`` (``docs/math.md`` derives each one):
     ddp_average_forgotten   1 / (R N)
     fixed_divisor_tail      (k_tail / k) / N      (a short window of k_tail < k micro-batches)
 
+and one miscount of ``N`` itself (:data:`COUNT_FORMS`), a uniform scale:
+
+    first_label_counted     1 / (N + F)           F: rows whose label at position 0 is set
+
 Here every weight is written as a multiple of the big batch's ``1 / N``, so
 ``exact`` is 1 in every cell. In a short window ``k`` stays the nominal number
 of micro-batches: it is the constant such code divides by.
@@ -32,6 +36,7 @@ MISSING_1_OVER_K = "missing_1_over_k"
 LOCAL_DENOMINATOR = "local_denominator"
 DDP_AVERAGE_FORGOTTEN = "ddp_average_forgotten"
 FIXED_DIVISOR_TAIL = "fixed_divisor_tail"
+FIRST_LABEL_COUNTED = "first_label_counted"
 
 BUG_NAMES: tuple[str, ...] = (
     MEAN_OF_MEANS,
@@ -43,7 +48,11 @@ BUG_NAMES: tuple[str, ...] = (
 """The reweighting bugs, with the names of ``torch_ref.buggy``."""
 
 FORM_NAMES: tuple[str, ...] = (EXACT, *BUG_NAMES)
-"""Every known form, in the order a verdict prefers them when two fit."""
+"""Every known reweighting form, in the order a verdict prefers them when two fit."""
+
+COUNT_FORMS: tuple[str, ...] = (FIRST_LABEL_COUNTED,)
+"""Miscounts of the window's items: checked when the rows' labels are known (the audit reads
+``batch["labels"]``), after every form of :data:`FORM_NAMES`."""
 
 FORMULAS: dict[str, str] = {
     EXACT: "1/N",
@@ -52,6 +61,7 @@ FORMULAS: dict[str, str] = {
     LOCAL_DENOMINATOR: "1/(R N_r)",
     DDP_AVERAGE_FORGOTTEN: "1/(R N)",
     FIXED_DIVISOR_TAIL: "(k_tail/k)/N",
+    FIRST_LABEL_COUNTED: "1/(N+F)",
 }
 """The weight of an item of cell ``c`` under each form."""
 
@@ -62,6 +72,8 @@ WHAT_IT_DOES: dict[str, str] = {
     LOCAL_DENOMINATOR: "each device divides by its own items, then devices are averaged",
     DDP_AVERAGE_FORGOTTEN: "summed loss / N per device, then the devices are averaged, not added",
     FIXED_DIVISOR_TAIL: "a short window is still divided as if it had k micro-batches",
+    FIRST_LABEL_COUNTED: "the items are counted before the causal shift: each row's label at"
+    " position 0, never a target, is counted too",
 }
 
 FIXES: dict[str, str] = {
@@ -71,25 +83,30 @@ FIXES: dict[str, str] = {
     LOCAL_DENOMINATOR: "add the items over devices before dividing (N, not N_r)",
     DDP_AVERAGE_FORGOTTEN: "add the device gradients (psum), or multiply the loss by R",
     FIXED_DIVISOR_TAIL: "divide a short window by its own items",
+    FIRST_LABEL_COUNTED: "count labels[:, 1:] != -100 (the targets after the shift)",
 }
 
 
-def form_weights(name: str, items: np.ndarray, *, k: int) -> np.ndarray:
+def form_weights(
+    name: str, items: np.ndarray, *, k: int, first_labels: np.ndarray | None = None
+) -> np.ndarray:
     """The weight of an item of each cell under one known form, in units of ``1/N``.
 
     .. math::
 
        \\frac{w_c}{1/N} = 1,\\ \\frac{N}{k R n_c},\\ \\frac{N}{R n_c},\\ \\frac{N}{R N_r},\\
-       \\frac{1}{R},\\ \\frac{k_{tail}}{k}
+       \\frac{1}{R},\\ \\frac{k_{tail}}{k},\\ \\frac{N}{N + F}
 
     for ``exact``, ``mean_of_means``, ``missing_1_over_k``, ``local_denominator``,
-    ``ddp_average_forgotten`` and ``fixed_divisor_tail``.
+    ``ddp_average_forgotten``, ``fixed_divisor_tail`` and ``first_label_counted``.
 
     Args:
-      name: one of :data:`FORM_NAMES`.
+      name: one of :data:`FORM_NAMES` or :data:`COUNT_FORMS`.
       items: ``[R, k_window]`` items of each cell (device ``r``, micro-batch
         ``m``); ``k_window`` is ``k``, or ``k_tail < k`` in a short window.
       k: the nominal number of micro-batches per window.
+      first_labels: ``[R, k_window]`` rows of each cell whose label at position
+        0 is set (``first_label_counted`` only; NaN weights without it).
 
     Returns:
       ``[R, k_window]`` float64 weights as multiples of the big batch's
@@ -101,8 +118,8 @@ def form_weights(name: str, items: np.ndarray, *, k: int) -> np.ndarray:
       >>> form_weights("mean_of_means", np.array([[3.0, 1.0]]), k=2)  # N = 4
       array([[0.66666667, 2.        ]])
     """
-    if name not in FORM_NAMES:
-        raise ValueError(f"name: expected one of {FORM_NAMES}, got {name!r}")
+    if name not in FORM_NAMES + COUNT_FORMS:
+        raise ValueError(f"name: expected one of {FORM_NAMES + COUNT_FORMS}, got {name!r}")
     items = np.asarray(items, np.float64)
     if items.ndim != 2 or items.size == 0 or np.any(items < 0) or not np.all(np.isfinite(items)):
         raise ValueError(
@@ -111,8 +128,8 @@ def form_weights(name: str, items: np.ndarray, *, k: int) -> np.ndarray:
         )
     num_devices, k_window = items.shape
     total = items.sum()
+    first = np.nan if first_labels is None else float(np.sum(first_labels))
     device_items = np.broadcast_to(items.sum(axis=1, keepdims=True), items.shape)
-    has_items = items > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         weights = {
             EXACT: np.ones_like(items),
@@ -121,8 +138,9 @@ def form_weights(name: str, items: np.ndarray, *, k: int) -> np.ndarray:
             LOCAL_DENOMINATOR: total / (num_devices * device_items),
             DDP_AVERAGE_FORGOTTEN: np.full_like(items, 1.0 / num_devices),
             FIXED_DIVISOR_TAIL: np.full_like(items, k_window / k),
+            FIRST_LABEL_COUNTED: np.full_like(items, total / (total + first)),
         }[name]
-    return np.where(has_items, weights, np.nan)
+    return np.where(items > 0, weights, np.nan)
 
 
 def checkable_forms(num_devices: int, k_window: int, *, k: int) -> tuple[str, ...]:

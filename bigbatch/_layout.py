@@ -14,8 +14,12 @@ micro-batches differ instead, the first one the emptiest.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
+
+from bigbatch._records import IGNORE_INDEX
 
 
 def tail_microbatches(k: int) -> int:
@@ -60,12 +64,16 @@ class CellLayout(WindowShape):
         short window).
       left_out: int64, the batch rows that are in no cell (the batch's rows
         beyond a multiple of the number of cells).
+      first_labels: float64 ``[R, k_window]``, the rows of each cell whose label
+        at position 0 is set (never a causal-LM target), or None when the rows'
+        labels are not known.
     """
 
     rows: np.ndarray
     items: np.ndarray
     k: int
     left_out: np.ndarray
+    first_labels: np.ndarray | None = None
 
     @property
     def rows_per_cell(self) -> int:
@@ -81,7 +89,12 @@ class CellLayout(WindowShape):
 
 
 def layout_rows(
-    row_items: np.ndarray, *, k: int, num_devices: int, short_window: bool = False
+    row_items: np.ndarray,
+    *,
+    k: int,
+    num_devices: int,
+    short_window: bool = False,
+    row_first_labels: np.ndarray | None = None,
 ) -> CellLayout:
     """Lays the rows out so that the cells differ strongly in items.
 
@@ -96,6 +109,8 @@ def layout_rows(
       num_devices: ``R``.
       short_window: build a short window of ``tail_microbatches(k)``
         micro-batches instead of ``k``.
+      row_first_labels: ``[B]`` bool, the rows whose label at position 0 is set
+        (:func:`first_labels_of` reads them off a batch), or None.
 
     Returns:
       A :class:`CellLayout`.
@@ -133,6 +148,29 @@ def layout_rows(
     rows = np.empty((num_devices, k_window, per_cell), np.int64)
     for rank, device in enumerate(device_order):
         rows[device] = blocks[rank * k_window : (rank + 1) * k_window]
+    first_labels = None
+    if row_first_labels is not None:
+        first_labels = np.asarray(row_first_labels, np.float64)[rows].sum(axis=-1)
     return CellLayout(
-        rows=rows, items=row_items[rows].sum(axis=-1), k=int(k), left_out=left_out.astype(np.int64)
+        rows=rows,
+        items=row_items[rows].sum(axis=-1),
+        k=int(k),
+        left_out=left_out.astype(np.int64),
+        first_labels=first_labels,
     )
+
+
+def first_labels_of(batch: Any) -> np.ndarray | None:
+    """Which rows set their label at position 0: ``batch["labels"][:, 0] != -100``.
+
+    None unless ``batch`` is a mapping with a ``[B, T]`` ``"labels"`` entry (the
+    convention of Hugging Face and of both frameworks' causal-LM losses).
+
+    Example:
+      >>> first_labels_of({"labels": np.array([[5, 6], [-100, 7]])})
+      array([ True, False])
+    """
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if labels is None or np.ndim(labels) != 2:
+        return None
+    return np.asarray(labels)[:, 0] != IGNORE_INDEX

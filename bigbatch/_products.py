@@ -108,31 +108,58 @@ def cell_products(
     update_norm = math.sqrt(dot(update, update)) / learning_rate if finite else math.nan
     for leaf in update:  # d = -update / lr (then minus each cell's share, in `_Stream.first`)
         leaf *= -1.0 / learning_rate if finite else 0.0
-    stream = _Stream(cell_grad, cells, update, per_cell, progress)
-    stream.run()
-    deviation = stream.to_partial - per_cell * np.triu(stream.gram).sum(axis=1)
+    gram, to_partial, passes = stream_products(
+        cell_grad, cells, [update], share=per_cell, progress=progress
+    )
+    deviation = to_partial[0] - per_cell * np.triu(gram).sum(axis=1)
     return CellProducts(
         cells=cells,
-        gram=stream.gram,
+        gram=gram,
         deviation=deviation,
         deviation_norm=math.sqrt(dot(update, update)) if finite else math.nan,
         update_norm=update_norm,
-        passes=stream.passes,
+        passes=passes,
     )
 
 
-class _Stream:
-    """The blocks of held gradients and the passes over the cells after each block.
+def stream_products(
+    cell_grad: CellGrad,
+    cells: np.ndarray,
+    targets: list[list[np.ndarray]],
+    *,
+    share: float = 0.0,
+    progress: bool = True,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """The cells' Gram matrix and their products with ``targets``, streamed.
 
-    ``d`` is completed cell by cell, at a cell's first gradient: there
-    ``to_partial[c] = G_c . (t - sum_{j<c} G_j / N)``, so that
-    ``G_c . d = to_partial[c] - sum_{j>=c} A_cj / N`` (:func:`cell_products`).
+    Holds as many gradients as ``CELL_MEMORY`` allows (at least one) and
+    computes again those that cannot stay. At a cell's first gradient (in
+    index order) its products with the targets are taken, then ``share`` of
+    it is subtracted from ``targets[0]`` in place (float64): the products are
+    with ``targets[0] - share * sum_{j<c} G_j`` (:func:`cell_products`).
+
+    Args:
+      cell_grad: ``cell_grad(*cells[c])``, the leaves of cell ``c``'s gradient.
+      cells: ``[C, ...]`` int, the arguments of each cell.
+      targets: float64 leaves (contiguous), in the order of the gradients' leaves.
+      share: what ``targets[0]`` loses of each gradient (0: it is left as it is).
+      progress: a tqdm bar on stderr.
+
+    Returns:
+      ``(gram [C, C], to_targets [U, C], passes)``.
     """
+    stream = _Stream(cell_grad, cells, targets, share, progress)
+    stream.run()
+    return stream.gram, stream.to_targets, stream.passes
 
-    def __init__(self, cell_grad, cells, d, per_cell, progress):
-        self.cell_grad, self.cells, self.d, self.per_cell = cell_grad, cells, d, per_cell
+
+class _Stream:
+    """The blocks of held gradients and the passes over the cells after each block."""
+
+    def __init__(self, cell_grad, cells, targets, share, progress):
+        self.cell_grad, self.cells, self.targets, self.share = cell_grad, cells, targets, share
         self.gram = np.zeros((len(cells), len(cells)))
-        self.to_partial = np.zeros(len(cells))
+        self.to_targets = np.zeros((len(targets), len(cells)))
         self.seen, self.passes, self.held_at_once = 0, 0, len(cells)
         self.bar = _bar(len(cells), progress)
 
@@ -152,7 +179,7 @@ class _Stream:
                         self.gram[j, c] = self.gram[c, j] = dot(g, h)
 
     def grad(self, c: int) -> Leaves:
-        """Cell ``c``'s gradient; at its first computation ``d`` takes its share."""
+        """Cell ``c``'s gradient; at its first computation, its products with the targets."""
         g = [np.asarray(leaf) for leaf in self.cell_grad(*(int(i) for i in self.cells[c]))]
         self.passes += 1
         if self.passes == 1:
@@ -160,15 +187,21 @@ class _Stream:
             self.held_at_once = max(1, min(len(self.cells), CELL_MEMORY // max(cell_bytes, 1)))
             self.bar.total = _passes(len(self.cells), self.held_at_once)
         if c == self.seen:
-            self.to_partial[c] = dot(g, self.d)
-            for leaf_d, leaf_g in zip(self.d, g, strict=True):  # in float64, chunk by chunk
-                flat_d, flat_g = leaf_d.reshape(-1), np.ravel(leaf_g)
-                for start in range(0, flat_d.size, _CHUNK):
-                    chunk = slice(start, start + _CHUNK)
-                    flat_d[chunk] -= self.per_cell * flat_g[chunk].astype(np.float64)
+            self.to_targets[:, c] = [dot(g, target) for target in self.targets]
+            if self.share:
+                _subtract(self.targets[0], self.share, g)
             self.seen += 1
         self.bar.update()
         return g
+
+
+def _subtract(target: list[np.ndarray], share: float, g: Leaves) -> None:
+    """``target -= share * g`` in float64, in place, chunk by chunk."""
+    for leaf_t, leaf_g in zip(target, g, strict=True):
+        flat_t, flat_g = leaf_t.reshape(-1), np.ravel(leaf_g)
+        for start in range(0, flat_t.size, _CHUNK):
+            chunk = slice(start, start + _CHUNK)
+            flat_t[chunk] -= share * flat_g[chunk].astype(np.float64)
 
 
 def _passes(cells: int, held: int) -> int:

@@ -64,6 +64,8 @@ class AuditReport(WindowShape):
       rounding: the relative rounding of the parameters' dtype against the
         big-batch update (the noise in reading the update back).
       left_out_rows: batch rows that were in no cell.
+      first_labels: ``[num_devices, k_window]`` rows of each cell whose label at
+        position 0 is set, or None (the rows' labels were not known).
     """
 
     verdict: str
@@ -81,6 +83,7 @@ class AuditReport(WindowShape):
     weight_tolerance: float
     rounding: float = 0.0
     left_out_rows: int = 0
+    first_labels: np.ndarray | None = None
 
     @property
     def passed(self) -> bool:
@@ -198,7 +201,9 @@ def _content(report: AuditReport) -> tuple[str, list[list[str]], list[str], list
         window += f", a short window (k = {report.k})"
     header = f"Audit of one accumulated SGD update ({window}): {report.summary()}"
     bug = report.verdict if report.verdict not in (EXACT, UNKNOWN) else None
-    expected = form_weights(bug, report.items, k=report.k) if bug else None
+    expected = None
+    if bug:
+        expected = form_weights(bug, report.items, k=report.k, first_labels=report.first_labels)
     table = [["device", "micro-batch", "items", "your weight", "big batch"] + [bug] * bool(bug)]
     remarks = [""]
     for r in range(report.num_devices):

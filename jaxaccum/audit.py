@@ -121,7 +121,11 @@ def audit_window(
     row_losses, row_items = _row_values(loss_fn, params, batch)
     _check_sums(loss_fn, params, batch, row_losses, row_items)
     layout = bigbatch.layout_rows(
-        row_items, k=k, num_devices=num_devices, short_window=short_window
+        row_items,
+        k=k,
+        num_devices=num_devices,
+        short_window=short_window,
+        row_first_labels=bigbatch.first_labels_of(batch),
     )
     bigbatch.check_layout(layout)
     update = _update(window_fn, params, batch, layout, learning_rate)

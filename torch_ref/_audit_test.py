@@ -73,7 +73,9 @@ def audit(window_fn, batch=FULL, **kwargs) -> bigbatch.AuditReport:
 def assert_recovers(report: bigbatch.AuditReport, name: str) -> None:
     """The verdict is ``name`` and every weight is that form's (``WEIGHT_RTOL``)."""
     assert report.verdict == name, report
-    weights = bigbatch.form_weights(name, report.items, k=report.k)
+    weights = bigbatch.form_weights(
+        name, report.items, k=report.k, first_labels=report.first_labels
+    )
     np.testing.assert_allclose(report.weights, weights, rtol=WEIGHT_RTOL)
     assert report.residual <= RESIDUAL_MAX, report  # a reweighting, to float32 rounding
 
@@ -242,15 +244,19 @@ def test_ranks_that_step_apart_are_refused():
 # ---- the Hugging Face Trainer -------------------------------------------------------------------
 
 
-def tiny_gpt2():
-    """A randomly initialized GPT-2 of 4k parameters, without dropout (no download)."""
+def tiny_gpt2(class_name: str = "GPT2LMHeadModel"):
+    """A randomly initialized GPT-2 of 4k parameters, without dropout (no download), as an
+    instance of a ``GPT2LMHeadModel`` subclass called ``class_name``."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         vocab_size=32, n_positions=SEQ_LEN, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
-    return transformers.GPT2LMHeadModel(config)
+    model_class = transformers.GPT2LMHeadModel
+    if class_name != model_class.__name__:
+        model_class = type(class_name, (model_class,), {})
+    return model_class(config)
 
 
 def hf_rows(batch) -> list[dict[str, torch.Tensor]]:
@@ -291,6 +297,56 @@ def test_hf_trainer_on_two_gloo_ranks(average_tokens_across_devices, verdict):
     )  # fmt: skip
     assert_recovers(report, verdict)
     np.testing.assert_array_equal(report.items.sum(axis=1), [56, 6])
+
+
+def with_first_labels(batch) -> dict[str, torch.Tensor]:
+    """``batch`` with every row's label at position 0 set, as a data collator that copies
+    ``input_ids`` into ``labels`` does (position 0 is never a target of the shifted loss)."""
+    labels = batch["labels"].clone()
+    labels[:, 0] = batch["input_ids"][:, 0]
+    return {**batch, "labels": labels}
+
+
+def test_hf_trainer_counts_position_0_for_gpt2_lm_head_model():
+    # transformers 5.24 leaves each row's position 0 out of num_items_in_batch only for a model
+    # whose loss_type is ForCausalLM, read off the class NAME: GPT2LMHeadModel's has none, so
+    # the 16 first labels are counted, and every item weighs N / (N + 16) = 94 / 110
+    report = audit_hf_trainer(tiny_gpt2(), hf_rows(with_first_labels(FULL)), k=K)
+    assert_recovers(report, "first_label_counted")
+    assert abs(report.scale - 94 / 110) <= WEIGHT_RTOL, report
+    # the same model under a class name with ForCausalLM in it: counted after the shift
+    model = tiny_gpt2("GPT2ForCausalLM")
+    assert_recovers(audit_hf_trainer(model, hf_rows(with_first_labels(FULL)), k=K), "exact")
+
+
+def mean_loss_trainer(scaled_for_ga: bool, *, use_count: bool = False):
+    """A Trainer whose ``compute_loss`` returns the micro-batch's token mean (or its sum over
+    ``num_items_in_batch``) and says whether it is scaled for gradient accumulation
+    (``Trainer.loss_is_scaled_for_ga``, transformers 5.19)."""
+    import transformers
+
+    from torch_ref.audit import hf_causal_lm_loss_sum
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss_sum, n = hf_causal_lm_loss_sum(model, inputs)
+        return loss_sum / (num_items_in_batch if use_count else max(n, 1))
+
+    members = {"compute_loss": compute_loss, "loss_is_scaled_for_ga": scaled_for_ga}
+    return type("MeanLossTrainer", (transformers.Trainer,), members)
+
+
+@pytest.mark.parametrize(
+    "scaled_for_ga, use_count, verdict",
+    [
+        (False, False, "mean_of_means"),  # the Trainer divides the mean by k: nanoGPT's loop
+        (True, False, "missing_1_over_k"),  # a mean declared scaled: the 1/k is lost
+        (True, True, "exact"),  # the sum over num_items_in_batch, declared scaled
+    ],
+)
+def test_hf_trainer_loss_is_scaled_for_ga(scaled_for_ga, use_count, verdict):
+    trainer_class = mean_loss_trainer(scaled_for_ga, use_count=use_count)
+    report = audit_hf_trainer(tiny_gpt2(), hf_rows(FULL), k=K, trainer_class=trainer_class)
+    assert_recovers(report, verdict)
 
 
 # ---- arguments ----------------------------------------------------------------------------------

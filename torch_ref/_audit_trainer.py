@@ -47,6 +47,7 @@ def audit_hf_trainer(
     world_size: int = 1,
     timeout_s: float = 300.0,
     progress: bool = True,
+    trainer_class: type | None = None,
     **training_args: Any,
 ) -> bigbatch.AuditReport:
     """The audit of `audit_window` for one update of a Hugging Face ``transformers.Trainer``.
@@ -88,6 +89,10 @@ def audit_hf_trainer(
       timeout_s: the bound of a multi-rank run, start-up included.
       progress: a progress bar (tqdm, on stderr) while the cells' gradients are
         computed.
+      trainer_class: your ``transformers.Trainer`` subclass (e.g. one with its
+        own ``compute_loss`` and ``loss_is_scaled_for_ga``); a module-level
+        class when ``world_size > 1`` (it is pickled to the ranks). Default:
+        ``transformers.Trainer``.
       **training_args: further ``transformers.TrainingArguments``.
 
     Returns:
@@ -127,7 +132,12 @@ def audit_hf_trainer(
         )
     rows_per_cell = len(rows) // (k * world_size)  # bigbatch.layout_rows' (checked there > 0)
     settings = _trainer_settings(training_args, k, rows_per_cell)
-    run = functools.partial(_trainer_run, settings, timeout_s)
+    trainer_class = transformers.Trainer if trainer_class is None else trainer_class
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise ValueError(
+            f"trainer_class: expected a subclass of transformers.Trainer, got {trainer_class!r}"
+        )
+    run = functools.partial(_trainer_run, settings, trainer_class, timeout_s)
     return _audit(
         run, hf_causal_lm_loss_sum, model, batch, k=k, world_size=world_size,
         learning_rate=learning_rate, short_window=False, progress=progress,
@@ -186,6 +196,7 @@ class _Rows(torch.utils.data.Dataset):
 
 def _trainer_run(
     settings: dict[str, Any],
+    trainer_class: type,
     timeout_s: float,
     model: nn.Module,
     batch: Batch,
@@ -197,10 +208,16 @@ def _trainer_run(
     settings = {**settings, "per_device_train_batch_size": layout.rows_per_cell}
     if layout.num_devices == 1:
         with _global_rngs_kept():  # the Trainer seeds them (TrainingArguments.seed)
-            results = [_rank_trainer(0, 1, copy.deepcopy(model), batch, settings, order)]
+            trainer = (trainer_class, settings, order)
+            results = [_rank_trainer(0, 1, copy.deepcopy(model), batch, trainer)]
     else:
         results = _on_ranks(
-            layout.num_devices, _rank_trainer, model, batch, settings, order, timeout_s=timeout_s
+            layout.num_devices,
+            _rank_trainer,
+            model,
+            batch,
+            (trainer_class, settings, order),
+            timeout_s=timeout_s,
         )
     for rank, (_, read) in enumerate(results):
         if read != layout.rows[rank].reshape(-1).tolist():
@@ -224,10 +241,14 @@ def _global_rngs_kept() -> Iterator[None]:
         np.random.set_state(numpy_state)
 
 
-def _rank_trainer(rank, world_size, model, batch, settings, order) -> tuple[RankParameters, list]:
-    """One rank's Trainer: one optimizer step; (rank 0's parameters, the rows it read)."""
+def _rank_trainer(rank, world_size, model, batch, trainer) -> tuple[RankParameters, list]:
+    """One rank's Trainer: one optimizer step; (rank 0's parameters, the rows it read).
+
+    ``trainer``: the Trainer class, the settings of ``TrainingArguments``, the rows' order.
+    """
     import transformers
 
+    trainer_class, settings, order = trainer
     if world_size > 1:  # accelerate reads the rank from the environment; the group exists
         os.environ.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -237,5 +258,5 @@ def _rank_trainer(rank, world_size, model, batch, settings, order) -> tuple[Rank
     dataset = _Rows(batch, order)
     with tempfile.TemporaryDirectory(prefix="torch_ref_audit_") as output_dir:
         args = transformers.TrainingArguments(**{"output_dir": output_dir, **settings})
-        transformers.Trainer(model=model, args=args, train_dataset=dataset).train()
+        trainer_class(model=model, args=args, train_dataset=dataset).train()
     return _rank0_parameters(rank, model), dataset.read

@@ -170,7 +170,13 @@ def _layout(loss_fn, model, batch, k, world_size, short_window) -> bigbatch.Cell
         whole = _loss_values(loss_fn, model, batch)
     row_losses, row_items = (np.array([float(r[j]) for r in rows]) for j in (0, 1))
     bigbatch.check_sums(float(whole[0]), float(whole[1]), row_losses, row_items)
-    layout = bigbatch.layout_rows(row_items, k=k, num_devices=world_size, short_window=short_window)
+    layout = bigbatch.layout_rows(
+        row_items,
+        k=k,
+        num_devices=world_size,
+        short_window=short_window,
+        row_first_labels=bigbatch.first_labels_of(batch),
+    )
     bigbatch.check_layout(layout)
     return layout
 

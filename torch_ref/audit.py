@@ -14,12 +14,24 @@ items (``bigbatch.layout_rows``), runs your loop for one update with
 computes each ``G_c`` with autograd of a reference summed loss, and hands the
 rest to ``bigbatch`` (the fit, the verdict, the report: the same as JAX's).
 :func:`audit_hf_trainer` does the same for a Hugging Face ``transformers.Trainer``.
+:func:`audit_invariance` asks the question without a reference loss: is the update
+the same for every cut of the window into micro-batches and ranks?
 """
 
 import bigbatch
+from torch_ref._audit_invariance import audit_invariance
 from torch_ref._audit_trainer import audit_hf_trainer, hf_causal_lm_loss_sum
 from torch_ref._audit_window import audit_window
 
 AuditReport = bigbatch.AuditReport
 
-__all__ = ["AuditReport", "audit_hf_trainer", "audit_window", "hf_causal_lm_loss_sum"]
+InvarianceReport = bigbatch.InvarianceReport
+
+__all__ = [
+    "AuditReport",
+    "InvarianceReport",
+    "audit_hf_trainer",
+    "audit_invariance",
+    "audit_window",
+    "hf_causal_lm_loss_sum",
+]

@@ -1,0 +1,149 @@
+"""`torch_ref.audit.audit_invariance`: is your loop's update the same for every cut of its window?"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import bigbatch
+from torch_ref._audit_args import Batch, _check_batch, _check_callable, _check_model, _rows
+from torch_ref._audit_window import (
+    LossFn,
+    WindowFn,
+    _grad,
+    _loss_values,
+    _window_here,
+    _window_on_ranks,
+)
+from torch_ref._loss import count_items
+
+DEFAULT_CUTS = ((2, 1), (4, 1), (2, 2), (4, 2))
+"""``(k, R)``: micro-batches per rank, ranks."""
+
+
+def audit_invariance(
+    window_fn: WindowFn,
+    model: nn.Module,
+    batch: Mapping[str, Any],
+    *,
+    cuts: Sequence[tuple[int, int]] = DEFAULT_CUTS,
+    loss_fn: LossFn | None = None,
+    row_items: Sequence[float] | None = None,
+    learning_rate: float = 1.0,
+    timeout_s: float = 300.0,
+    progress: bool = True,
+) -> bigbatch.InvarianceReport:
+    """Runs your loop for one SGD update on the same rows, cut several ways, and compares.
+
+    .. math::
+
+       \\mathrm{difference} = \\frac{|\\delta_{k,R} - \\delta_{1,1}|}{|\\delta_{1,1}|}
+
+    The one-batch run (``k = 1``, ``R = 1``) is the reference, whatever your
+    objective is: a loop is invariant when every cut gives its update
+    (``bigbatch.INVARIANCE_RTOL``). Each cut lays the rows out as the audit does
+    (``bigbatch.layout_rows``: the micro-batches differ in items, and with
+    enough rows without items the last rank gets none).
+
+    Args:
+      window_fn: your code for ONE optimizer update, as in `audit_window`:
+        ``window_fn(model, optimizer, microbatches) -> None`` (on gloo ranks
+        under ``DistributedDataParallel`` when ``R > 1``: picklable then).
+      model: a ``torch.nn.Module`` without dropout; left as it was.
+      batch: the rows, a dict of tensors with a leading row axis; their number
+        must be a multiple of ``k R`` for every cut (every cut uses every row).
+      cuts: ``(k, R)`` pairs: micro-batches per rank and ranks.
+      loss_fn: optional ``loss_fn(model, batch) -> (loss_sum, num_items)``, a
+        sum over rows: the rows' items, and their gradients for the weights.
+      row_items: the items of each row, when there is no ``loss_fn`` (default:
+        ``batch["labels"][:, 1:] != -100`` per row, else one per row).
+      learning_rate: the SGD learning rate handed to your code.
+      timeout_s: the bound of each multi-rank run.
+      progress: a progress bar while the rows' gradients are computed.
+
+    Returns:
+      A ``bigbatch.InvarianceReport``: ``invariant``, ``worst``, ``breaking``,
+      per-cut ``differences`` and (with ``loss_fn``) the rows' ``weights``
+      relative to the one-batch run; ``print(report)`` shows the table.
+
+    Example (``torch_ref/_audit_invariance_test.py`` runs it)::
+
+      report = audit_invariance(nanogpt, model, batch, loss_fn=loss_fn)
+      report.invariant, report.breaking   # -> (False, 'k=4 x R=2')
+    """
+    _check_callable(window_fn, "window_fn")
+    params = _check_model(model)
+    batch = _check_batch(batch)
+    items = _items(loss_fn, model, batch, row_items)
+    layouts = [
+        bigbatch.layout_rows(items, k=k, num_devices=ranks)
+        for k, ranks in _check_cuts(cuts, items.size)
+    ]
+    run = functools.partial(_update, window_fn, learning_rate, timeout_s, model, batch, params)
+    one_batch = run(bigbatch.layout_rows(items, k=1, num_devices=1))
+    updates = [run(layout) for layout in layouts]
+    row_grad = None
+    if loss_fn is not None:
+        row_grad = lambda i: _grad(loss_fn, model, params, _rows(batch, [i]))
+    names = [f"k={layout.k} x R={layout.num_devices}" for layout in layouts]
+    return bigbatch.invariance_report(
+        names, one_batch, updates, row_items=items, row_grad=row_grad, progress=progress
+    )
+
+
+def _update(window_fn, lr, timeout_s, model, batch, params, layout) -> list[np.ndarray]:
+    """Your loop's parameter change ``new - old`` on ``layout``, float64, leaf by leaf."""
+    if layout.num_devices == 1:
+        new = _window_here(window_fn, lr, model, batch, layout)
+    else:
+        new = _window_on_ranks(window_fn, lr, timeout_s, model, batch, layout)
+    return [
+        np.asarray(n, np.float64) - p.detach().cpu().double().numpy()
+        for n, p in zip(new, params, strict=True)
+    ]
+
+
+def _items(loss_fn, model, batch: Batch, row_items) -> np.ndarray:
+    """The items of each row: ``loss_fn``'s, ``row_items``, or the labels' (after the shift)."""
+    rows = next(iter(batch.values())).shape[0]
+    if loss_fn is not None:
+        _check_callable(loss_fn, "loss_fn")
+        with torch.no_grad():
+            items = [_loss_values(loss_fn, model, _rows(batch, [i]))[1] for i in range(rows)]
+    elif row_items is not None:
+        items = row_items
+    elif "labels" in batch and batch["labels"].dim() == 2:
+        items = [count_items(batch["labels"][i : i + 1], "token") for i in range(rows)]
+    else:
+        items = np.ones(rows)
+    items = np.asarray(items, np.float64)
+    if items.shape != (rows,) or not np.all(np.isfinite(items)) or np.any(items < 0):
+        raise ValueError(
+            f"row_items: expected {rows} finite, non-negative items (one per row), got {items!r}"
+        )
+    return items
+
+
+def _check_cuts(cuts: Any, rows: int) -> list[tuple[int, int]]:
+    """``cuts`` as ``(k, R)`` pairs of positive ints whose ``k R`` divides the rows."""
+    pairs = list(cuts) if isinstance(cuts, Sequence) else []
+    ok = bool(pairs) and all(
+        isinstance(c, Sequence) and len(c) == 2 and all(isinstance(x, int) and x >= 1 for x in c)
+        for c in pairs
+    )
+    if not ok:
+        raise ValueError(
+            f"cuts: expected a non-empty list of (k, R) pairs of ints >= 1, got {cuts!r}"
+        )
+    for k, ranks in pairs:
+        if rows % (k * ranks):
+            raise ValueError(
+                f"cuts: the cut k={k} x R={ranks} needs a multiple of {k * ranks} rows (every cut"
+                f" uses every row); the batch has {rows}"
+            )
+    return [(int(k), int(ranks)) for k, ranks in pairs]
