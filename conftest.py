@@ -28,7 +28,8 @@ NEEDS_TORCH = {"torch_ref"}
 NO_TORCH = "needs torch: no CPU build for this Python here (make test-latest runs without it)"
 # Modules with torch at import time outside those packages (test modules importorskip it).
 if importlib.util.find_spec("torch") is None:
-    collect_ignore_glob += ["parity_tests/audits.py"]
+    collect_ignore_glob += ["parity_tests/audits.py", "parity_tests/suite.py",
+                            "parity_tests/run_torch.py", "parity_tests/torch_*.py"]  # fmt: skip
 
 
 class _SkippedPackage(pytest.Directory):
@@ -69,7 +70,7 @@ def _one_torch_thread():
     if "torch" not in sys.modules:
         yield
         return
-    from tinygpt.torch_gpt import one_cpu_thread
+    from torch_ref import one_cpu_thread
 
     with one_cpu_thread():
         yield

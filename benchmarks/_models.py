@@ -1,6 +1,6 @@
 """The benchmarked models, as ``(params, loss_fn, make_batch)``.
 
-* the tiny GPT: the Flax NNX twin of ``torch_ref.TinyGPT``
+* the tiny GPT: the Flax NNX twin of ``tinygpt.torch_gpt.TinyGPT``
   (``tinygpt/flax_gpt.py``), token-level causal-LM loss, on the project's skewed
   samples (``tinygpt.data.skewed_batch``, random ids);
 * an MLP of ``layers`` square ``width x width`` matrices (10 x 1000 x 1000 =

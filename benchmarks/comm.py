@@ -18,7 +18,7 @@ partitioner places the reductions (``k``). Plus the per-window time of the two
 ``jit`` variants, interleaved (informative on CPU).
 
 PyTorch, counted at run time by a DDP communication hook
-(``torch_ref.Scenario(count_comm=True)``): gradient bucket all-reduces per
+(``parity_tests.torch_scenario.Scenario(count_comm=True)``): gradient bucket all-reduces per
 window for torch_ref (``no_sync()`` around forward and backward of all but
 the last micro-batch) and for its ``no_sync_backward_only`` bug.
 """
@@ -95,22 +95,25 @@ def torch_counts(
     *, k: int, world: int = 2, windows: int = 2, timeout_s: float = 240.0
 ) -> list[dict[str, Any]]:
     """DDP gradient all-reduces per window: torch_ref vs its no_sync_backward_only bug."""
-    import torch_ref
-    from torch_ref.testing import skewed_batch
+    from parity_tests.torch_ranks import run_scenarios
+    from parity_tests.torch_scenario import Scenario, split_window
+    from tinygpt import TinyGPTConfig
+    from tinygpt.torch_gpt import TinyGPT, export_state_dict
+    from tinygpt.torch_testing import skewed_batch
 
-    config = torch_ref.TinyGPTConfig(block_size=48)
-    weights = torch_ref.export_state_dict(torch_ref.TinyGPT(config, seed=0))
+    config = TinyGPTConfig(block_size=48)
+    weights = export_state_dict(TinyGPT(config, seed=0))
     lengths = (2, 47, 0, 30, 1, 20, 40, 9)  # valid labels per sample (skewed, one empty)
     valid = tuple(lengths[i % len(lengths)] for i in range(2 * world * k))
-    wins = [torch_ref.split_window(*skewed_batch(seed, valid), world, k) for seed in range(windows)]
+    wins = [split_window(*skewed_batch(seed, valid), world, k) for seed in range(windows)]
     scenarios = [
-        torch_ref.Scenario(config=config, weights=weights, windows=wins, count_comm=True, bug=bug)
+        Scenario(config=config, weights=weights, windows=wins, count_comm=True, bug=bug)
         for bug in (None, "no_sync_backward_only")
     ]
     results = []
     for bug, res in zip(
         (None, "no_sync_backward_only"),
-        torch_ref.run_scenarios(scenarios, timeout_s=timeout_s),
+        run_scenarios(scenarios, timeout_s=timeout_s),
         strict=False,
     ):
         buckets = [c["allreduce_buckets"] for c in res.comm]

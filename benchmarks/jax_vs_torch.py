@@ -1,6 +1,6 @@
 """5. JAX vs PyTorch: tokens per second of one training window of the tiny GPT.
 
-The same model (the Flax twin and ``torch_ref.TinyGPT`` load the same numpy
+The same model (the Flax twin and ``tinygpt.torch_gpt.TinyGPT`` load the same numpy
 weights), the same window of ``k`` micro-batches, AdamW:
 
 * JAX: one jitted, donated micro-step per micro-batch through
@@ -106,10 +106,12 @@ def torch_ref_window(config, batches: list[dict], device: str) -> tuple[Callable
     import torch
 
     import torch_ref
+    from tinygpt import TinyGPTConfig
+    from tinygpt.torch_gpt import TinyGPT, load_state_dict_numpy
 
     torch_device = torch.device(device)
-    net = torch_ref.TinyGPT(
-        torch_ref.TinyGPTConfig(
+    net = TinyGPT(
+        TinyGPTConfig(
             vocab_size=config.vocab_size,
             block_size=config.block_size,
             n_layer=config.n_layer,
@@ -118,7 +120,7 @@ def torch_ref_window(config, batches: list[dict], device: str) -> tuple[Callable
         )
     )
     weights = init_state_dict(config, seed=0)  # the weights tiny_gpt loads
-    torch_ref.load_state_dict_numpy(net, {n: np.asarray(w, np.float32) for n, w in weights.items()})
+    load_state_dict_numpy(net, {n: np.asarray(w, np.float32) for n, w in weights.items()})
     net.to(torch_device)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4, weight_decay=0.01)
     micro = [

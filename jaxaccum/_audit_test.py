@@ -2,7 +2,8 @@
 
 Every loop runs one SGD update of the tiny LM of ``testkit`` on the audit's
 layout of the same rows (a row with ``n`` valid tokens has labels at positions
-``1..n``). The bug loops are written as they are found in the wild; the
+``1..n``). The bug loops are written as they are found in the wild
+(``testkit.audited_loops``, shared with the parity suite's audit table); the
 expected weights are the formulas of ``docs/math.md`` (``bigbatch.form_weights``).
 The loops are a user's code, so they run under JAX's standard numerics; the
 audit itself runs under the session's strict ones.
@@ -15,20 +16,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import bigbatch
 import jaxaccum
 from testkit import (
-    AXIS,
     IGNORE_INDEX,
-    data_parallel,
     standard_numerics,
     tiny_lm_logits,
     tiny_lm_loss,
     tiny_lm_params,
 )
+from testkit import audited_loops as loops
+from testkit.audited_loops import sgd_step, tree_sum
 
 pytestmark = pytest.mark.slow  # every audit runs and differentiates a loop: make test only
 
@@ -82,63 +81,19 @@ def assert_recovers(report: bigbatch.AuditReport, name: str) -> None:
     assert report.residual <= RESIDUAL_MAX, report  # a reweighting, to float32 rounding
 
 
-def sgd_step(params, grads, optimizer):
-    """One update of the optimizer the audit hands over (``optax.sgd(learning_rate)``)."""
-    updates, _ = optimizer.update(grads, optimizer.init(params), params)
-    return optax.apply_updates(params, updates)
+mean_loss = loops.mean_of(tiny_lm_loss)  # what most loops differentiate: the micro-batch's mean
+nanogpt_window = loops.mean_of_means(tiny_lm_loss)
+missing_1_over_k_window = loops.missing_1_over_k(tiny_lm_loss)
+optax_multisteps_window = loops.optax_multisteps(tiny_lm_loss, K)
+fixed_divisor_tail_window = loops.fixed_divisor_tail(tiny_lm_loss, K)
 
 
-def tree_sum(trees):
-    return jax.tree.map(lambda *leaves: sum(leaves), *trees)
-
-
-def mean_loss(params, batch):
-    """What most loops differentiate: the micro-batch's token mean."""
-    loss_sum, num_items = tiny_lm_loss(params, batch)
-    return loss_sum / num_items
+def jaxaccum_window(mode: str, num_devices: int = 1):
+    """jaxaccum's micro-step in ``mode`` (``testkit.data_parallel``)."""
+    return loops.jaxaccum_window(tiny_lm_loss, K, mode, num_devices)
 
 
 # ---- one device ---------------------------------------------------------------------------------
-
-
-def nanogpt_window(params, microbatches, optimizer):
-    """nanoGPT: ``loss = loss / gradient_accumulation_steps``, backward per micro-batch."""
-    k = len(microbatches)
-    grads = [jax.grad(lambda p, mb=mb: mean_loss(p, mb) / k)(params) for mb in microbatches]
-    return sgd_step(params, tree_sum(grads), optimizer)
-
-
-def missing_1_over_k_window(params, microbatches, optimizer):
-    """A custom ``compute_loss`` (TRL DAPO/GRPO) that forgets the 1/k."""
-    grads = [jax.grad(mean_loss)(params, mb) for mb in microbatches]
-    return sgd_step(params, tree_sum(grads), optimizer)
-
-
-def optax_multisteps_window(params, microbatches, optimizer):
-    """``optax.MultiSteps`` for k micro-batches, fed each micro-batch's mean-loss gradient."""
-    tx = optax.MultiSteps(optimizer, every_k_schedule=K)
-    state = tx.init(params)
-    for mb in microbatches:
-        updates, state = tx.update(jax.grad(mean_loss)(params, mb), state, params)
-        params = optax.apply_updates(params, updates)
-    return params
-
-
-def jaxaccum_window(mode: str, num_devices: int = 1, k: int = K):
-    """jaxaccum's micro-step (``testkit.data_parallel``: the README and data-parallel recipes)."""
-
-    def window_fn(params, microbatches, optimizer):
-        tx_fn = lambda axis_name: jaxaccum.multi_steps(optimizer, k, axis_name=axis_name)
-        loop = data_parallel(tx_fn, tiny_lm_loss, mode, num_devices)
-        params, state = loop.init(params)
-        for i, mb in enumerate(microbatches):
-            per_device = jax.tree.map(lambda x: x.reshape((num_devices, -1) + x.shape[1:]), mb)
-            short_tail = len(microbatches) < k and i == len(microbatches) - 1
-            kwargs = {"end_window": True} if short_tail else {}  # close a short window now
-            params, state = loop.step(params, state, per_device, **kwargs)
-        return loop.one(params)
-
-    return window_fn
 
 
 def test_hand_checked_two_microbatches_of_3_and_1_tokens():
@@ -212,17 +167,6 @@ def test_a_mean_of_means_with_an_empty_microbatch():
 # ---- a short tail window ------------------------------------------------------------------------
 
 
-def fixed_divisor_tail_window(params, microbatches, optimizer):
-    """The window's token normalization per micro-batch, then Accelerate's fixed ``/ k``."""
-    n_window = sum(tiny_lm_loss(params, mb)[1] for mb in microbatches)
-    per_microbatch = n_window / len(microbatches)  # right for any window ...
-    grads = [  # ... but the division by the configured k is not
-        jax.grad(lambda p, mb=mb: tiny_lm_loss(p, mb)[0] / per_microbatch / K)(params)
-        for mb in microbatches
-    ]
-    return sgd_step(params, tree_sum(grads), optimizer)
-
-
 def test_fixed_divisor_on_a_short_tail_window():
     report = audit(fixed_divisor_tail_window, k=K, short_window=True)
     assert report.k_window == 2 and report.k == K
@@ -246,54 +190,17 @@ def test_optax_multisteps_never_closes_a_short_window():
 # ---- data parallel ------------------------------------------------------------------------------
 
 
-def shard_map_window(per_device_grads, num_devices):
-    """A loop running ``per_device_grads(params, local_microbatches)`` under shard_map."""
-
-    def window_fn(params, microbatches, optimizer):
-        mesh = jax.make_mesh((num_devices,), (AXIS,), devices=jax.devices()[:num_devices])
-        stacked = jax.tree.map(lambda *xs: np.stack(xs), *microbatches)  # [k, rows, ...]
-        stacked = jax.device_put(stacked, NamedSharding(mesh, P(None, AXIS)))  # rows split
-        grads = jax.jit(
-            jax.shard_map(per_device_grads, mesh=mesh, in_specs=(P(), P(None, AXIS)), out_specs=P())
-        )(params, stacked)
-        return sgd_step(params, grads, optimizer)
-
-    return window_fn
-
-
-def local_sums(params, local):
-    """This device's summed loss and items over its micro-batches (``local``: ``[k, p, ...]``)."""
-    values = [tiny_lm_loss(params, jax.tree.map(lambda x, m=m: x[m], local)) for m in range(K)]
-    return sum(v[0] for v in values), sum(v[1] for v in values)
-
-
-def local_denominator_grads(params, local):
-    """Each device divides by its OWN items (0/0 guarded), then the devices are averaged."""
-    n_local = local_sums(params, local)[1]
-    grad = jax.grad(lambda p: local_sums(p, local)[0] / jnp.maximum(n_local, 1.0))
-    return jax.lax.pmean(grad(jax.lax.pcast(params, AXIS, to="varying")), AXIS)
-
-
-def ddp_average_forgotten_grads(params, local):
-    """The summed loss over the GLOBAL items, but the gradients averaged as DDP does."""
-    n_global = jax.lax.psum(local_sums(params, local)[1], AXIS)
-    grad = jax.grad(lambda p: local_sums(p, local)[0] / n_global)
-    return jax.lax.pmean(grad(jax.lax.pcast(params, AXIS, to="varying")), AXIS)
-
-
 @pytest.mark.parametrize(
-    "per_device_grads, num_devices, name, scale, device_items",
+    "loop, num_devices, name, scale, device_items",
     [
         # the empty device still counts in the average: 3 of 4 quarters remain
-        (local_denominator_grads, 4, "local_denominator", 0.75, [6, 18, 38, 0]),
-        (ddp_average_forgotten_grads, 2, "ddp_average_forgotten", 0.5, [56, 6]),  # 1 / R
+        (loops.local_denominator, 4, "local_denominator", 0.75, [6, 18, 38, 0]),
+        (loops.ddp_average_forgotten, 2, "ddp_average_forgotten", 0.5, [56, 6]),  # 1 / R
     ],
     ids=["local_denominator", "ddp_average_forgotten"],
 )
-def test_data_parallel_bugs_under_shard_map(
-    per_device_grads, num_devices, name, scale, device_items
-):
-    window_fn = shard_map_window(per_device_grads, num_devices)
+def test_data_parallel_bugs_under_shard_map(loop, num_devices, name, scale, device_items):
+    window_fn = loop(tiny_lm_loss, num_devices)
     report = audit(window_fn, SKEWED, k=K, num_devices=num_devices)
     assert_recovers(report, name)
     assert abs(report.scale - scale) <= WEIGHT_RTOL

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from testkit import (
-    Layout,
+    WindowSplit,
     assert_trees_close,
     data_parallel,
     skewed_windows,
@@ -58,7 +58,7 @@ def make_tx(axis_name, inner=None):
 
 def micro_batch(route, step, devices=DEVICES):
     """Micro-step ``step`` (0-based): ``[devices, rows, seq]`` (one device: all rows)."""
-    windows = skewed_windows(Layout(DEVICES, K, 2), WINDOWS, seed=11)
+    windows = skewed_windows(WindowSplit(DEVICES, K, 2), WINDOWS, seed=11)
     w, m = divmod(step, K)
     batch = {name: x[w, :, m].reshape(-1, x.shape[-1]) for name, x in windows.items()}
     devices = 1 if route == "one_device" else devices
@@ -73,7 +73,7 @@ def route_of(name, devices=DEVICES):
     if name == "nnx":
         return _nnx_route(devices)
     dp = data_parallel(make_tx, tiny_lm_loss, name, 1 if name == "one_device" else devices,
-                       loss_scaled=True)  # fmt: skip
+                       loss_scale="state")  # fmt: skip
 
     def fresh():
         params, state = dp.init(tiny_lm_params())
@@ -249,7 +249,7 @@ def cross_count_tx(axis_name):
 
 def window_of_four(devices):
     """One window of 4 micro-batches, the same rows laid over ``devices`` devices."""
-    window = skewed_windows(Layout(4, 4, 2), 1, seed=5)
+    window = skewed_windows(WindowSplit(4, 4, 2), 1, seed=5)
     return [{k: x[0, :, m].reshape(devices, -1, x.shape[-1]) for k, x in window.items()}
             for m in range(4)]  # fmt: skip
 

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxaccum
-from testkit import Layout, skewed_windows, tiny_lm_loss, tiny_lm_params
+from testkit import WindowSplit, skewed_windows, tiny_lm_loss, tiny_lm_params
 
 pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 
@@ -58,7 +58,7 @@ def make_tx():
 
 def micro_batches():
     """12 micro-batches of 4 samples with skewed token counts, one poisoned."""
-    windows = skewed_windows(Layout(1, K, 4), WINDOWS, seed=7)
+    windows = skewed_windows(WindowSplit(1, K, 4), WINDOWS, seed=7)
     batches = []
     for w in range(WINDOWS):
         for m in range(K):

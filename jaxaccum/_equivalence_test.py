@@ -16,7 +16,7 @@ import pytest
 
 import jaxaccum
 from testkit import (
-    Layout,
+    WindowSplit,
     assert_trees_close,
     big_batch,
     big_batch_run,
@@ -47,11 +47,11 @@ def adamw() -> optax.GradientTransformation:
 
 
 LAYOUTS = [
-    Layout(devices, k, SAMPLES_PER_WINDOW // (devices * k))
+    WindowSplit(devices, k, SAMPLES_PER_WINDOW // (devices * k))
     for devices in (1, 2, 4, 8)
     for k in (1, 2, 4)
 ]
-FAST = Layout(4, 2, 4)  # the one layout of `make test-fast`; the matrix runs in `make test`
+FAST = WindowSplit(4, 2, 4)  # the one layout of `make test-fast`; the matrix runs in `make test`
 
 
 def tiered(layouts):
@@ -67,7 +67,7 @@ def tiered(layouts):
 LAYOUT_SUBSET = (
     LAYOUTS
     if os.environ.get("JAXACCUM_FULL_MATRIX") == "1"
-    else [Layout(1, 4, 8), Layout(2, 1, 16), Layout(4, 2, 4), Layout(8, 4, 1)]
+    else [WindowSplit(1, 4, 8), WindowSplit(2, 1, 16), WindowSplit(4, 2, 4), WindowSplit(8, 4, 1)]
 )
 
 
@@ -75,7 +75,7 @@ layout_id = lambda layout: f"dev{layout.devices}-k{layout.k}"
 
 
 @functools.cache
-def scenario(layout: Layout) -> tuple[dict, dict, np.ndarray]:
+def scenario(layout: WindowSplit) -> tuple[dict, dict, np.ndarray]:
     """(windows, big-batch parameters after 5 updates, per-device items)."""
     windows = skewed_windows(layout, NUM_UPDATES, seed=layout.devices * 10 + layout.k)
     per_device = (
@@ -85,7 +85,7 @@ def scenario(layout: Layout) -> tuple[dict, dict, np.ndarray]:
     return windows, big_batch_run(tiny_lm_params(), batches, tiny_lm_loss, adamw), per_device
 
 
-def run(mode: str, layout: Layout) -> tuple[dict, list]:
+def run(mode: str, layout: WindowSplit) -> tuple[dict, list]:
     """5 windows through the README's micro-step in ``mode``; params and records."""
     windows, _, _ = scenario(layout)
     mode = "one_device" if mode == "gspmd" and layout.devices == 1 else mode
@@ -144,7 +144,7 @@ def test_pmap_and_gspmd_equal_big_batch(mode, layout):
 @pytest.mark.slow  # compiles a model or a multi-device program (> 1 s): make test, not test-fast
 def test_mean_of_means_is_caught_by_the_tolerance():
     """optax.MultiSteps on per-micro-batch means misses the big batch by >> PARAM_ATOL."""
-    layout = Layout(1, 4, 8)
+    layout = WindowSplit(1, 4, 8)
     windows, reference, _ = scenario(layout)
     batches = [
         {name: value[w, 0, m] for name, value in windows.items()}

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from testkit import (
-    Layout,
+    WindowSplit,
     assert_records_match,
     big_batch,
     big_batch_last_window,
@@ -73,7 +73,7 @@ def tree_bytes(tree) -> int:
 @pytest.fixture(scope="module")
 def lm_run():
     mesh = jax.make_mesh((DEVICES,), ("data",))  # Explicit axes: JAX's default
-    windows = skewed_windows(Layout(DEVICES, K, 2), WINDOWS, seed=3)
+    windows = skewed_windows(WindowSplit(DEVICES, K, 2), WINDOWS, seed=3)
     tx = jaxaccum.multi_steps(adamw(), every_k_schedule=K, axis_name="data")
     with jax.set_mesh(mesh):
         params = jax.device_put(tiny_lm_params(), P())  # replicated
@@ -288,7 +288,7 @@ def test_tensor_parallel_on_a_2d_mesh_reduces_over_data_once_per_window():
 @pytest.mark.slow
 def test_accumulate_gradients_under_plain_jit_reduces_once_after_the_scan():
     mesh = jax.make_mesh((DEVICES,), ("data",))
-    windows = skewed_windows(Layout(DEVICES, K, 2), 1, seed=5)
+    windows = skewed_windows(WindowSplit(DEVICES, K, 2), 1, seed=5)
     micro = jax.tree.map(lambda x: x[0].transpose(1, 0, 2, 3).reshape(K, -1, x.shape[-1]), windows)
     with jax.set_mesh(mesh):
         params = jax.device_put(tiny_lm_params(), P())

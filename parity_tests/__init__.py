@@ -1,19 +1,29 @@
 """Parity tests: the same scenario through ``jaxaccum`` and ``torch_ref``, compared.
 
-Modules, in the order the data flows (the models are ``tinygpt``'s pair, the
-data ``tinygpt.data``'s one generator and one layout)::
+Modules, in the order the main job (``python -m parity_tests``) flows through them,
+each handing its values down (the models are ``tinygpt``'s pair, the data
+``tinygpt.data``'s one generator and one way to split a window)::
 
-    scenarios       a run as numbers: layout, unit, dtype, optimizer; its windows
-    jax_model       the JAX side's dtypes, Flax params pytree, loss, snapshots
-    jax_optim       optax's AdamW and warmup-cosine schedule, third-party promotion
-    data_parallel   R ranks: plain jit on an Explicit mesh, or vmap lanes
-    run_jax         jaxaccum, the JAX big batch, optax.MultiSteps (negative control)
-    run_torch       the scenario through torch_ref (and its buggy variants)
-    compare         deviation measures, tolerances, a check
-    suite           the matrix and its checks
-    report          what is printed: verdict, legend, table (100 columns)
+    __main__        the command line: the suite, then the report, then the audit table
+    suite           run_suite: the plan, the runs, the checks (-> compare.SuiteResult)
+    scenarios       a run as numbers (Scenario), the matrix, and plan(): every scenario
+                    turned ONCE into a Case, its dtypes and arrays, which all below take
+    run_torch       a Case through torch_ref (and its buggy variants), via:
+      torch_scenario  a torch run as plain data (Scenario, AdamW, SGD, WarmupCosine, ...)
+      torch_ranks     run_on_rank, run_scenarios: in-process and torch.multiprocessing ranks
+      torch_instrument  the inf injection and the DDP communication counter
+    run_jax         a Case through jaxaccum (testkit.data_parallel), the JAX big batch
+                    (testkit.big_batch_updates) and optax.MultiSteps (negative control), via:
+      jax_model     the Flax twin's params pytree and summed loss
+      jax_optim     optax's AdamW and warmup-cosine schedule, third-party promotion
+    compare         deviation measures, tolerances, a check; Run, Check, SuiteResult
+    report          what is printed: verdict, legend, table (100 columns), rendered once
     report_files    parity.md, parity.json; plot: parity_loss.png
     audits          the second table: the audit of the known bugs' loops, JAX and torch
+                    (testkit.audited_loops; torch_ref.buggy)
+
+    torch_launch    ``torchrun --nproc_per_node=R -m parity_tests.torch_launch SCEN.npz
+                    OUT.npz``: the standard launcher of a torch run, and its files
 
 Command line: ``python -m parity_tests --device cpu --quick --out DIR``.
 

@@ -55,7 +55,7 @@ def _check_cuda() -> str | None:
     return "; ".join(problems) or None
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m parity_tests", description=__doc__.split("\n\n")[0]
     )
@@ -78,8 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         help="directory for parity.md, parity.json, parity_loss.png",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def main(argv: list[str] | None = None) -> int:
+    """The parity report, then the audit table; the exit status (module docstring)."""
+    args = _parse(argv)
     _configure_jax(args.device)
     if args.device == "cuda":
         problem = _check_cuda()
@@ -93,16 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     from parity_tests import audits, report, report_files, suite
 
     result = suite.run_suite(args.device, args.quick, progress=not args.no_progress)
-    paths = report_files.write(result, args.out)
-    print(report.verdict(result))
-    print("\n".join(report.legend(result)))
-    print()
-    print(report.table(result))
-    print()
-    for line in report.comm_lines(result) + report.scaling_lines(result, short=True):
-        print(line)
+    text = report.render(result)
+    print("\n".join(text.lines))
     for name, err in result.errors.items():
         print(f"FAILED RUN {name}:\n{err}", file=sys.stderr)
+    paths = report_files.write(result, args.out, text)
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     rows = audits.run_audits(progress=not args.no_progress)
     print()

@@ -1,6 +1,6 @@
 """The JAX and the torch audits of the same bug on the same rows find the same weights.
 
-Both audits get the same rows (`torch_ref.testing.skewed_batch`) and the same
+Both audits get the same rows (`tinygpt.torch_testing.skewed_batch`) and the same
 model: ``tinygpt``'s twins with one set of weights (the torch TinyGPT's,
 loaded into the Flax one). Each runs its framework's loop of one known bug and
 fits the weights it gives the cells.
@@ -36,12 +36,11 @@ from parity_tests.audits import (  # noqa: E402
     SKEWED,
     TORCH_MODEL,
     K,
-    jax_local_denominator,
     jax_loss,
-    jax_mean_of_means,
     torch_loss,
     torch_variant,
 )
+from testkit import audited_loops as loops  # noqa: E402
 from testkit import standard_numerics  # noqa: E402
 
 pytestmark = pytest.mark.slow  # compiles the Flax model; the 2-rank audit starts processes
@@ -82,8 +81,8 @@ def audit_both(jax_window, name, ids, labels, world_size):
 @pytest.mark.parametrize(
     "jax_window, name, rows, world_size",
     [
-        (jax_mean_of_means, "mean_of_means", FULL, 1),
-        (jax_local_denominator, "local_denominator", SKEWED, 2),  # torch: 2 gloo ranks
+        (loops.mean_of_means(jax_loss), "mean_of_means", FULL, 1),
+        (loops.local_denominator(jax_loss, 2), "local_denominator", SKEWED, 2),  # 2 gloo ranks
     ],
     ids=["mean_of_means", "local_denominator_2_ranks"],
 )

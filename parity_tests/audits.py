@@ -1,7 +1,9 @@
 """The audit of the known bugs' loops, JAX and torch, on ``tinygpt``'s twins: the second table.
 
 Each loop runs ONE SGD update; the audit (``docs/audit.md``) fits how it weighs each cell (a
-micro-batch on a rank) and names the bug. Both twins hold the torch TinyGPT's weights."""
+micro-batch on a rank) and names the bug. Both twins hold the torch TinyGPT's weights. The
+JAX loops are ``testkit.audited_loops``' (the unit tests audit the same loops), the torch
+loops ``torch_ref.buggy``'s variants of ``torch_ref.train_update``."""
 
 from __future__ import annotations
 
@@ -12,22 +14,22 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 import bigbatch
 import jaxaccum
 import torch_ref
+from testkit import audited_loops as loops
 from testkit import standard_numerics
 from tinygpt import TinyGPTConfig, flax_gpt
-from torch_ref.testing import skewed_batch
+from tinygpt.torch_gpt import TinyGPT, export_state_dict
+from tinygpt.torch_testing import skewed_batch
 
 SEQ_LEN = 12
 K = 4  # micro-batches per window; the audit's short window has K // 2
 CONFIG = TinyGPTConfig(vocab_size=32, block_size=SEQ_LEN, n_layer=1, n_head=2, d_model=16)
-TORCH_MODEL = torch_ref.TinyGPT(CONFIG, seed=0)
-PARAMS = flax_gpt.params_from_state_dict(torch_ref.export_state_dict(TORCH_MODEL), CONFIG)
+TORCH_MODEL = TinyGPT(CONFIG, seed=0)
+PARAMS = flax_gpt.params_from_state_dict(export_state_dict(TORCH_MODEL), CONFIG)
 # 16 rows (ids, labels): all with tokens (one device), 4 without (2 devices: one rank's cells)
 FULL = skewed_batch(0, (1, 1, 2, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 11), SEQ_LEN, 32)
 SKEWED = skewed_batch(1, (0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 8, 9, 10, 11), SEQ_LEN, 32)
@@ -47,64 +49,6 @@ def jax_loss(params: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
 def torch_loss(model: Any, batch: dict) -> tuple[Any, Any]:
     """The reference of the torch audit: the same loss of the torch twin."""
     return torch_ref.causal_lm_loss_sum(model(batch["input_ids"]), batch["labels"])
-
-
-def sgd_step(params: Any, grads: Any, optimizer: optax.GradientTransformation) -> Any:
-    """One update of the optimizer the audit hands over (``optax.sgd(learning_rate)``)."""
-    updates, _ = optimizer.update(grads, optimizer.init(params), params)
-    return optax.apply_updates(params, updates)
-
-
-def jax_mean_loss(params: Any, batch: dict) -> jax.Array:
-    """What most loops differentiate: the micro-batch's token mean (loss_sum / num_items)."""
-    return jnp.divide(*jax_loss(params, batch))
-
-
-def jax_mean_of_means(params: Any, microbatches: list, optimizer: Any) -> Any:
-    """nanoGPT's loop in JAX: each micro-batch's token mean / k, summed."""
-    mean = lambda p, mb: jax_loss(p, mb)[0] / jax_loss(p, mb)[1] / len(microbatches)
-    grads = [jax.grad(mean)(params, mb) for mb in microbatches]
-    return sgd_step(params, jax.tree.map(lambda *g: sum(g), *grads), optimizer)
-
-
-def jax_missing_1_over_k(params: Any, microbatches: list, optimizer: Any) -> Any:
-    """A custom ``compute_loss`` (TRL DAPO/GRPO) that forgets the 1/k."""
-    grads = [jax.grad(jax_mean_loss)(params, mb) for mb in microbatches]
-    return sgd_step(params, jax.tree.map(lambda *g: sum(g), *grads), optimizer)
-
-
-def jax_optax_multisteps(params: Any, microbatches: list, optimizer: Any) -> Any:
-    """``optax.MultiSteps`` for k micro-batches, fed each micro-batch's mean-loss gradient."""
-    tx = optax.MultiSteps(optimizer, every_k_schedule=K)
-    state, update = tx.init(params), jax.jit(tx.update)
-    for mb in microbatches:
-        updates, state = update(jax.grad(jax_mean_loss)(params, mb), state, params)
-        params = optax.apply_updates(params, updates)
-    return params
-
-
-def jax_jaxaccum(params: Any, microbatches: list, optimizer: Any) -> Any:
-    """The README's micro-step: ``value_and_grad`` of the summed loss, its counts to ``update``."""
-    tx, grad_fn = jaxaccum.multi_steps(optimizer, K), jaxaccum.value_and_grad(jax_loss)
-    state, update = tx.init(params), jax.jit(tx.update)  # jitted, as in a training loop
-    for mb in microbatches:
-        (loss_sum, num_items), grads = grad_fn(params, mb)
-        updates, state = update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
-        params = optax.apply_updates(params, updates)
-    return params
-
-
-def jax_local_denominator(params: Any, microbatches: list, optimizer: Any, devices: int = 2) -> Any:
-    """Device ``r`` (rows ``[r p, (r + 1) p)``) divides its loss sum by its OWN items; mean."""
-
-    def device_mean(p, r):
-        per_device = len(microbatches[0]["labels"]) // devices
-        rows = slice(r * per_device, (r + 1) * per_device)
-        sums = [jax_loss(p, {n: v[rows] for n, v in mb.items()}) for mb in microbatches]
-        return sum(s for s, _ in sums) / jnp.maximum(sum(n for _, n in sums), 1.0)
-
-    grads = [jax.grad(device_mean)(params, r) for r in range(devices)]
-    return sgd_step(params, jax.tree.map(lambda *g: sum(g) / devices, *grads), optimizer)
 
 
 def torch_variant(model: Any, optimizer: Any, microbatches: list, *, name: str) -> None:
@@ -154,12 +98,13 @@ def audit_torch(name: str, rows: tuple, ranks: int = 1, short: bool = False) -> 
 
 # audit_jax's arguments: the table's name, the loop, its rows, devices, the verdict it must get
 JAX_LOOPS = (
-    ("jax optax.MultiSteps", jax_optax_multisteps, FULL, 1, "mean_of_means"),
-    ("jax nanoGPT loss / k", jax_mean_of_means, FULL, 1, "mean_of_means"),
-    ("jax forgets 1/k", jax_missing_1_over_k, FULL, 1, "missing_1_over_k"),
-    ("jax local denominator", jax_local_denominator, SKEWED, 2, "local_denominator"),
-    ("jax jaxaccum.multi_steps", jax_jaxaccum, FULL, 1, "exact"),
-)
+    ("jax optax.MultiSteps", loops.optax_multisteps(jax_loss, K), FULL, 1, "mean_of_means"),
+    ("jax nanoGPT loss / k", loops.mean_of_means(jax_loss), FULL, 1, "mean_of_means"),
+    ("jax forgets 1/k", loops.missing_1_over_k(jax_loss), FULL, 1, "missing_1_over_k"),
+    ("jax local denominator", loops.local_denominator(jax_loss, 2), SKEWED, 2,
+     "local_denominator"),
+    ("jax jaxaccum.multi_steps", loops.jaxaccum_window(jax_loss, K), FULL, 1, "exact"),
+)  # fmt: skip
 # audit_torch's: torch_ref.buggy's variant (the verdict it must get), rows, ranks, a short window
 TORCH_LOOPS = (
     ("reference", FULL),  # "exact"

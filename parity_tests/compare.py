@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import numpy as np
 
@@ -288,3 +289,23 @@ def compare(
         comm=comm,
         sequences=sequences(subject, reference) if scaling else None,
     )
+
+
+@dataclasses.dataclass
+class SuiteResult:
+    """Everything a run of the suite produced: what the report (``parity_tests.report``,
+    ``report_files``, ``plot``) reads."""
+
+    device: str
+    quick: bool
+    checks: list[Check]
+    runs: dict[str, Run]  # by run key (``parity_tests.suite._key``)
+    errors: dict[str, str]  # run key -> traceback of a run that failed
+    seconds: float
+    # every scenario run (and its big batch), by name: each with its short_name and dtype
+    # (a parity_tests.scenarios.Case or Scenario)
+    scenarios: dict[str, Any]
+
+    @property
+    def passed(self) -> bool:
+        return not self.errors and all(c.passed for c in self.checks)

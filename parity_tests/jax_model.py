@@ -1,15 +1,16 @@
-"""The JAX side's model and numbers: dtypes, the parameter pytree, the loss, snapshots.
+"""The JAX side's model: the Flax twin's parameter pytree and its summed loss, for one case.
 
 The parameters are the real multi-leaf pytree of ``tinygpt.flax_gpt``
 (``params_from_state_dict``: 26 leaves, ``params["h"][0]["attn"]["qkv"]["kernel"]``
 and so on), the pytree a user hands ``jaxaccum.multi_steps``: the window sums,
 the normalization, the clipping norm and AdamW all run per leaf, as they do in
-training. Snapshots go the other way, to torch-layout float64 numpy state dicts
-(``tinygpt.weights.to_torch_layout``), the records both sides compare.
+training. :func:`twin` builds both from a :class:`parity_tests.scenarios.Case`
+(its dtypes and weights, decided once there).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,31 +18,34 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxaccum
-from parity_tests.scenarios import Scenario
 from tinygpt import TinyGPTConfig, flax_gpt
-from tinygpt.weights import to_torch_layout
 
-CONFIG = TinyGPTConfig()  # the suite's model (torch_ref.TinyGPTConfig() is the same)
-
-
-def dtypes(dtype: str) -> tuple[Any, Any]:
-    """``(parameter dtype, matmul compute dtype or None)`` of a scenario dtype name."""
-    param = jnp.float64 if dtype == "float64" else jnp.float32
-    return param, (jnp.bfloat16 if dtype == "bfloat16" else None)
+CONFIG = TinyGPTConfig()  # the suite's model (the torch twin's, tinygpt.torch_gpt)
 
 
-def precision(scn: Scenario):
-    """``jax.enable_x64`` on for fp64 scenarios (float64 arrays need it), off otherwise
-    (whatever the process-wide setting, e.g. of another test module)."""
-    return jax.enable_x64(scn.dtype == "float64")
+def twin(
+    weights: dict[str, np.ndarray], unit: str, param_dtype: Any, compute_dtype: Any
+) -> tuple[dict, Callable]:
+    """``(params, loss_fn)``: the initial weights (torch layout, numpy) as the Flax params
+    pytree in ``param_dtype``, and ``loss_fn(params, batch) -> (loss_sum, num_items)``.
+
+    ``batch``: ``tokens``, ``labels`` ``[B, T]`` int32 and optionally ``poison`` ``[B]``,
+    each row's logits multiplier (1, or +inf where an overflow is injected: its loss
+    and gradient become NaN, as torch's ``inf_microbatches`` hook does).
+    """
+    params = flax_gpt.params_from_state_dict(weights, CONFIG, dtype=param_dtype)
+    lfn = _loss_of_logits(unit)
+
+    def loss_fn(params, batch):
+        logits = flax_gpt.apply(params, batch["tokens"], CONFIG, compute_dtype=compute_dtype)
+        if "poison" in batch:
+            logits = logits * batch["poison"].astype(logits.dtype)[:, None, None]
+        return lfn(logits, batch["labels"])
+
+    return params, loss_fn
 
 
-def initial_params(scn: Scenario, weights: dict[str, np.ndarray]) -> dict:
-    """The initial weights (torch layout, numpy) as the Flax params pytree, parameter dtype."""
-    return flax_gpt.params_from_state_dict(weights, CONFIG, dtype=dtypes(scn.dtype)[0])
-
-
-def loss_fn(unit: str):
+def _loss_of_logits(unit: str) -> Callable:
     """``(logits, labels) -> (loss_sum, num_items)`` of the unit, from ``jaxaccum.losses``
     (in at least float32, and in float64 for float64 logits)."""
     lfn = jaxaccum.losses.causal_lm if unit == "token" else jaxaccum.losses.causal_lm_per_sample
@@ -56,38 +60,3 @@ def loss_fn(unit: str):
             return lfn(logits, labels)
 
     return loss
-
-
-def logits(params: dict, tokens: jax.Array, dtype: str) -> jax.Array:
-    """The model's logits ``[B, T, vocab]`` under the scenario's dtype policy."""
-    return flax_gpt.apply(params, tokens, CONFIG, compute_dtype=dtypes(dtype)[1])
-
-
-def poisoned_loss(unit: str, dtype: str):
-    """``(params, batch) -> (loss_sum, num_items)``, the logits of each row multiplied by
-    ``batch["poison"]`` (1, or +inf where an overflow is injected: its loss and
-    gradient become NaN, as torch_ref's ``inf_microbatches`` hook does).
-
-    ``batch``: ``tokens``, ``labels`` ``[B, T]`` int32 and ``poison`` ``[B]``.
-    """
-    lfn = loss_fn(unit)
-
-    def loss(params, batch):
-        out = logits(params, batch["tokens"], dtype)
-        return lfn(out * batch["poison"].astype(out.dtype)[:, None, None], batch["labels"])
-
-    return loss
-
-
-def snapshot(params: Any) -> dict[str, np.ndarray]:
-    """Host params pytree -> the torch-layout float64 state dict the comparisons read."""
-    torch_layout = to_torch_layout(jax.device_get(params), CONFIG)
-    return {name: np.asarray(v, np.float64) for name, v in torch_layout.items()}
-
-
-def record(metrics: Any) -> dict:
-    """A window record (``jaxaccum.WindowMetrics`` or a dict of scalars) as Python numbers."""
-    metrics = jax.device_get(metrics)
-    if isinstance(metrics, jaxaccum.WindowMetrics):
-        metrics = metrics._asdict()
-    return {key: np.asarray(v).item() for key, v in metrics.items()}

@@ -1,6 +1,6 @@
-"""The JAX side's optimizer: optax's AdamW and learning-rate schedule, and the clipping.
+"""The JAX side's optimizer: optax's AdamW and its learning-rate schedule.
 
-Third-party code runs under JAX's standard promotion rules (:func:`third_party`):
+Third-party code runs under JAX's standard promotion rules (``testkit.standard``):
 optax mixes an int32 step count with float32 (AdamW's bias correction, the
 schedule) and Python scalars with arrays, which the tests' strict promotion
 (``conftest.py``) refuses in the project's own code. The wrapping is at the
@@ -9,32 +9,13 @@ call: the suite's code and jaxaccum around it stay strict.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum._normalize import clip_by_global_norm
 from parity_tests.scenarios import Optimizer
-
-
-def third_party(fn: Callable) -> Callable:
-    """``fn`` called under JAX's standard dtype and rank promotion (optax's, flax's code)."""
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-            return fn(*args, **kwargs)
-
-    return call
-
-
-def standard(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """``tx`` with its ``init`` and ``update`` run as :func:`third_party` code."""
-    return optax.GradientTransformationExtraArgs(third_party(tx.init), third_party(tx.update))
+from testkit import standard
 
 
 def learning_rate(opt: Optimizer, dtype: Any = jnp.float32):
@@ -60,7 +41,8 @@ def learning_rate(opt: Optimizer, dtype: Any = jnp.float32):
 
 
 def adamw(opt: Optimizer, dtype: Any = jnp.float32) -> optax.GradientTransformationExtraArgs:
-    """``optax.adamw`` with ``opt``'s settings and schedule (run as third-party code)."""
+    """``optax.adamw`` with ``opt``'s settings and schedule (run as third-party code,
+    ``testkit.standard``)."""
     return standard(
         optax.adamw(
             learning_rate(opt, dtype),
@@ -70,10 +52,3 @@ def adamw(opt: Optimizer, dtype: Any = jnp.float32) -> optax.GradientTransformat
             weight_decay=opt.weight_decay,
         )
     )
-
-
-def clip(grads: Any, max_norm: float | None) -> tuple[Any, jax.Array]:
-    """The window's global-norm clipping with jaxaccum's formula (``clip_grad_norm_``'s:
-    ``max_norm / (norm + 1e-6)``), and the norm before it."""
-    norm = optax.tree.norm(grads)
-    return clip_by_global_norm(grads, norm, max_norm)[0], norm

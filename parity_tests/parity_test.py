@@ -9,7 +9,7 @@ fp64: 1e-9, each with the measured worst it leaves room over).
 
 The suite runs under the session's strict promotion (``conftest.py``): its own
 code and jaxaccum are checked; optax's calls are wrapped at the call
-(``parity_tests.jax_optim.third_party``).
+(``testkit.standard``, in ``parity_tests.jax_optim``).
 """
 
 import json
@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("torch", reason="needs torch: no CPU build for this Python here")
 
 import torch_ref  # noqa: E402
-from parity_tests import report, report_files, suite  # noqa: E402
+from parity_tests import report, report_files, scenarios, suite  # noqa: E402
 from parity_tests.compare import FLAG_RATIO, TOLERANCES  # noqa: E402
 
 pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
@@ -98,7 +98,7 @@ def test_fp16_loss_scaling_parity(result):
     # fp16 dynamic loss scaling (fp32 compute), an inf injected into rank 1's first micro-batch
     # of window 3 on both sides: the same windows skipped, the same loss-scale sequence
     # (powers of two: exact), the same update ids, and parameters within the fp32 tolerance.
-    scn = suite.scaling_scenario()
+    scn = scenarios.scaling_scenario()
     (check,) = [c for c in result.checks if c.scenario == scn.name]
     assert (check.subject, check.reference) == ("jaxaccum", "torch_ref")
     seq = check.sequences
@@ -143,22 +143,22 @@ def test_no_sync_around_backward_only_costs_an_allreduce_per_micro_batch(result)
 
 def test_the_jax_runs_take_the_data_parallel_path(result):
     # plain jit on an Explicit mesh of R of the 8 fake devices; loss scaling as vmap lanes
-    # (jaxaccum.value_and_grad's loss_scale under Explicit jit: see run_jax._jaxaccum_step)
+    # (jaxaccum.value_and_grad's loss_scale under Explicit jit: see run_jax._jaxaccum_loop)
     strategies = {
         k.split("|")[1]: r.extra["strategy"]
         for k, r in result.runs.items()
         if k.startswith("jaxaccum|")
     }
     assert strategies == {
-        suite.control_scenario().name: "jit",
-        suite.scenario(4, 1, "sample").name: "jit",
-        suite.scenario(2, 2, "token", "float64").name: "jit",
-        suite.scaling_scenario().name: "vmap",
+        scenarios.control_scenario().name: "jit",
+        scenarios.scenario(4, 1, "sample").name: "jit",
+        scenarios.scenario(2, 2, "token", "float64").name: "jit",
+        scenarios.scaling_scenario().name: "vmap",
     }
 
 
 def test_report_files(result, tmp_path):
-    paths = report_files.write(result, tmp_path)
+    paths = report_files.write(result, tmp_path, report.render(result))
     data = json.loads(paths["json"].read_text())
     assert len(data["checks"]) == len(result.checks) and data["passed"] == result.passed
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -15,11 +15,12 @@ from __future__ import annotations
 import math
 import pathlib
 
-from parity_tests.compare import FLAG_RATIO, Check
-from parity_tests.suite import SHORT_WINDOW, SuiteResult
+from parity_tests.compare import FLAG_RATIO, Check, SuiteResult
+from parity_tests.scenarios import SHORT_WINDOW
 
 MAX_ROWS = 32  # more checks than this (the full matrix): one row per comparison and dtype
 AGREE, BUG = "tab:blue", "tab:red"
+LO, HI = 1e-6, 1e7  # the x axis: deviation / tolerance
 
 
 def update_ratios(c: Check) -> list[float]:
@@ -34,13 +35,11 @@ def update_ratios(c: Check) -> list[float]:
     return out
 
 
-def _rows(result: SuiteResult) -> list[tuple[str, list[Check]]]:
+def _rows(result: SuiteResult, short_names: dict[str, str]) -> list[tuple[str, list[Check]]]:
     """``(label, checks)`` per row, parity rows first, in the suite's order."""
-    from parity_tests.report import short_name
-
     ordered = sorted(result.checks, key=lambda c: c.kind != "parity")
     if len(ordered) <= MAX_ROWS:
-        return [(_label(result, c, short_name(result, c.scenario)), [c]) for c in ordered]
+        return [(_label(c, short_names.get(c.scenario, c.scenario)), [c]) for c in ordered]
     groups: dict[tuple, list[Check]] = {}
     for c in ordered:
         dtype = result.scenarios[c.scenario].dtype if c.scenario in result.scenarios else "?"
@@ -51,44 +50,32 @@ def _rows(result: SuiteResult) -> list[tuple[str, list[Check]]]:
     ]
 
 
-def _label(result: SuiteResult, c: Check, scenario: str) -> str:
+def _label(c: Check, scenario: str) -> str:
     if c.kind == "parity":
         return f"{c.subject} vs {c.reference}  [{scenario}]"
     return f"{c.subject}  [{scenario}]"
 
 
-def plot(result: SuiteResult, path: pathlib.Path) -> None:
-    """Writes the plot (module docstring) to ``path`` (PNG)."""
+def plot(
+    result: SuiteResult, path: pathlib.Path, *, title: str, short_names: dict[str, str]
+) -> None:
+    """Writes the plot (module docstring) to ``path`` (PNG).
+
+    ``title``: its second line (the verdict); ``short_names``: the scenarios' ids.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = _rows(result)
+    rows = _rows(result, short_names)
     fig, ax = plt.subplots(figsize=(10, 1.8 + 0.3 * len(rows)))
-    lo, hi = 1e-6, 1e7
-    ax.axvspan(lo, 1.0, color="tab:blue", alpha=0.08, lw=0)
-    ax.axvspan(FLAG_RATIO, hi, color="tab:red", alpha=0.08, lw=0)
+    ax.axvspan(LO, 1.0, color="tab:blue", alpha=0.08, lw=0)
+    ax.axvspan(FLAG_RATIO, HI, color="tab:red", alpha=0.08, lw=0)
     ax.axvline(1.0, color="tab:blue", lw=1.2)
     ax.axvline(FLAG_RATIO, color="tab:red", lw=1.2, ls="--")
     for y, (_, checks) in enumerate(rows):
-        bug = checks[0].kind != "parity"
-        color = BUG if bug else AGREE
-        ratios = [v for c in checks for v in update_ratios(c) if not math.isnan(v)]
-        ratios = [min(max(v, lo * 1.5), hi / 1.5) for v in ratios]
-        tail = [update_ratios(c)[SHORT_WINDOW] for c in checks if len(c.param_dev) > SHORT_WINDOW]
-        worst = max(ratios) if ratios else math.nan
-        ax.scatter(ratios, [y] * len(ratios), s=9, color=color, alpha=0.45, lw=0)
-        if tail and not math.isnan(max(tail)):
-            ax.scatter([min(max(max(tail), lo * 1.5), hi / 1.5)], [y], s=60, marker="D",
-                       facecolor="none", edgecolor="black", lw=1.0, zorder=3)  # fmt: skip
-        comm = checks[0].kind == "comm-control"
-        ax.scatter([worst], [y], s=70 if comm else 45, color=color, marker="x" if comm else "o",
-                   zorder=4)  # fmt: skip
-        note = f"{worst:.2g}"
-        if comm and checks[0].comm:
-            note += f"  (flagged by {checks[0].comm[0]:g} all-reduces/window, not {checks[0].comm[1]:g})"
-        ax.annotate(note, (worst, y), xytext=(7, -3), textcoords="offset points", fontsize=7.5)
+        _draw_row(ax, y, checks)
     n_agree = sum(checks[0].kind == "parity" for _, checks in rows)
     if 0 < n_agree < len(rows):
         ax.axhline(n_agree - 0.5, color="0.4", lw=0.8)
@@ -99,21 +86,42 @@ def plot(result: SuiteResult, path: pathlib.Path) -> None:
         tick.set_color(BUG if checks[0].kind != "parity" else "black")
     ax.set_ylim(len(rows) - 0.5, -1.3)
     ax.set_xscale("log")
-    ax.set_xlim(lo, hi)
+    ax.set_xlim(LO, HI)
     ax.set_xlabel(
         "deviation / tolerance  (largest of param, loss, grad norm; known bugs: the fp32 tolerance)"
     )
-    from parity_tests.report import verdict
-
     ax.set_title(
         f"jaxaccum vs torch_ref parity ({result.device}{', quick' if result.quick else ''})\n"
-        + verdict(result).split(" (")[0],
+        + title,
         fontsize=10,
     )
     _legend(fig)
     fig.tight_layout(rect=(0, 0.035, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _draw_row(ax, y: int, checks: list[Check]) -> None:
+    """Row ``y``: every update's ratio, the short window's (a diamond), the worst (labelled)."""
+    bug = checks[0].kind != "parity"
+    color = BUG if bug else AGREE
+    clamp = lambda v: min(max(v, LO * 1.5), HI / 1.5)
+    ratios = [clamp(v) for c in checks for v in update_ratios(c) if not math.isnan(v)]
+    tail = [update_ratios(c)[SHORT_WINDOW] for c in checks if len(c.param_dev) > SHORT_WINDOW]
+    worst = max(ratios) if ratios else math.nan
+    ax.scatter(ratios, [y] * len(ratios), s=9, color=color, alpha=0.45, lw=0)
+    if tail and not math.isnan(max(tail)):
+        ax.scatter([clamp(max(tail))], [y], s=60, marker="D", facecolor="none",
+                   edgecolor="black", lw=1.0, zorder=3)  # fmt: skip
+    comm = checks[0].kind == "comm-control"
+    ax.scatter([worst], [y], s=70 if comm else 45, color=color, marker="x" if comm else "o",
+               zorder=4)  # fmt: skip
+    note = f"{worst:.2g}"
+    if comm and checks[0].comm:
+        note += (
+            f"  (flagged by {checks[0].comm[0]:g} all-reduces/window, not {checks[0].comm[1]:g})"
+        )
+    ax.annotate(note, (worst, y), xytext=(7, -3), textcoords="offset points", fontsize=7.5)
 
 
 def _legend(fig) -> None:

@@ -1,20 +1,48 @@
 """The parity report as printed: the verdict first, a legend, a table, in 100 columns.
 
-``python -m parity_tests`` prints :func:`verdict`, :func:`legend`, :func:`table`
-and :func:`scaling_lines` (``short=True``); the files (``parity.md`` with every
-measure of every check, ``parity.json``, the plot) are ``parity_tests.report_files``'.
+:func:`render` turns a ``SuiteResult`` into its :class:`Text` once: what
+``python -m parity_tests`` prints (:func:`verdict`, :func:`legend`, :func:`table`,
+:func:`comm_lines` and :func:`scaling_lines` with ``short=True``) and the words
+the files take over (``parity_tests.report_files``: ``parity.md`` with every
+measure of every check, ``parity.json``, the plot).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import textwrap
 
-from parity_tests.compare import FLAG_RATIO, TOLERANCES, Check
-from parity_tests.scenarios import DTYPE_IDS
-from parity_tests.suite import DEFAULT_OPT, SHORT_WINDOW, SuiteResult
+from parity_tests.compare import FLAG_RATIO, TOLERANCES, Check, SuiteResult
+from parity_tests.scenarios import DEFAULT_OPT, DTYPE_IDS, SHORT_WINDOW
 
 WIDTH = 100  # the terminal output's columns
+
+
+@dataclasses.dataclass(frozen=True)
+class Text:
+    """The report's words, rendered once (:func:`render`).
+
+    Attributes:
+      lines: what is printed, in order: the verdict, the legend, the table, the notes.
+      verdict: the one-line verdict (:func:`verdict`).
+      scaling: the loss-scaling sequences in ``parity.md``'s form (:func:`scaling_lines`).
+      short_names: each scenario's id in the table (:func:`short_name`), by name.
+    """
+
+    lines: list[str]
+    verdict: str
+    scaling: list[str]
+    short_names: dict[str, str]
+
+
+def render(result: SuiteResult) -> Text:
+    """The :class:`Text` of ``result``."""
+    line = verdict(result)
+    notes = comm_lines(result) + scaling_lines(result, short=True)
+    lines = [line, *legend(result), "", table(result), "", *notes]
+    names = {c.scenario: short_name(result, c.scenario) for c in result.checks}
+    return Text(lines, line, scaling_lines(result), names)
 
 
 def verdict(result: SuiteResult) -> str:
@@ -119,11 +147,6 @@ def comm_lines(result: SuiteResult) -> list[str]:
         for c in result.checks
         if c.kind == "comm-control" and c.comm
     ]
-
-
-def summary(result: SuiteResult) -> str:
-    """The verdict without its PASS/FAIL word (``parity.md``'s first line)."""
-    return verdict(result).split(": ", 1)[1]
 
 
 def _seq(values) -> str:

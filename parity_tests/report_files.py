@@ -1,5 +1,7 @@
 """The parity report's files: ``parity.md`` (every measure of every check), ``parity.json``
-(every check and run record), ``parity_loss.png`` (``parity_tests.plot``)."""
+(every check and run record), ``parity_loss.png`` (``parity_tests.plot``).
+
+:func:`write` takes the ``SuiteResult`` and its rendered words (``parity_tests.report.Text``)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,8 @@ import math
 import pathlib
 
 from parity_tests import plot as plotting
-from parity_tests.compare import FLAG_RATIO, TOLERANCES, Check
-from parity_tests.report import scaling_lines, summary
-from parity_tests.suite import SuiteResult
+from parity_tests.compare import FLAG_RATIO, TOLERANCES, Check, SuiteResult
+from parity_tests.report import Text
 
 HEADER = (
     "scenario",
@@ -89,8 +90,9 @@ def _json_safe(x):
     return x
 
 
-def write(result: SuiteResult, out: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Writes ``parity.md``, ``parity.json`` and ``parity_loss.png`` into ``out``."""
+def write(result: SuiteResult, out: pathlib.Path, text: Text) -> dict[str, pathlib.Path]:
+    """Writes ``parity.md``, ``parity.json`` and ``parity_loss.png`` into ``out``
+    (``text``: ``report.render(result)``)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / "parity.md", "json": out / "parity.json", "plot": out / "parity_loss.png"}
     paths["json"].write_text(
@@ -128,14 +130,15 @@ def write(result: SuiteResult, out: pathlib.Path) -> dict[str, pathlib.Path]:
         )
     )
     try:
-        plotting.plot(result, paths["plot"])
+        title = text.verdict.split(" (")[0]
+        plotting.plot(result, paths["plot"], title=title, short_names=text.short_names)
     except Exception as e:  # noqa: BLE001 - the plot is optional; the numbers are in the JSON
         paths.pop("plot").with_suffix(".txt").write_text(f"plot failed: {e!r}\n")
-    paths["md"].write_text(markdown(result, paths.get("plot")))
+    paths["md"].write_text(markdown(result, paths.get("plot"), text))
     return paths
 
 
-def markdown(result: SuiteResult, plot_path) -> str:
+def markdown(result: SuiteResult, plot_path, text: Text) -> str:
     from parity_tests.compare import __doc__ as measures
 
     tol_lines = "\n".join(
@@ -146,7 +149,7 @@ def markdown(result: SuiteResult, plot_path) -> str:
     times = "\n".join(f"- {k}: {r.seconds:.1f} s" for k, r in result.runs.items())
     return f"""# Parity report: jaxaccum vs torch_ref ({result.device}{", quick" if result.quick else ""})
 
-**{"PASS" if result.passed else "FAIL"}**: {summary(result)}.
+**{"PASS" if result.passed else "FAIL"}**: {text.verdict.split(": ", 1)[1]}.
 
 Each row compares per-update records and parameters after each of the 5 AdamW
 updates; the worst update is shown. Parity rows pass when every measure is
@@ -169,7 +172,7 @@ Negative controls are judged against the float32 tolerance.
 Per update, compared exactly (``skipped``: the window was dropped; ``loss_scale``: the
 scale for the next window; ``update_id``: updates applied so far):
 
-{chr(10).join("- " + line for line in scaling_lines(result)) or "none run"}
+{chr(10).join("- " + line for line in text.scaling) or "none run"}
 
 {f"![worst deviation per check]({plot_path.name})" if plot_path else ""}
 

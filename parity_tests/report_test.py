@@ -4,11 +4,10 @@ import math
 
 import numpy as np
 
-from parity_tests import plot, report, report_files, suite
-from parity_tests.compare import TOLERANCES, Run, compare
-from parity_tests.suite import SuiteResult
+from parity_tests import plot, report, report_files, scenarios
+from parity_tests.compare import TOLERANCES, Run, SuiteResult, compare
 
-SCN = suite.control_scenario()
+SCN = scenarios.control_scenario()
 
 
 def _run(label, moves, losses):
@@ -46,6 +45,6 @@ def test_printed_report_verdict_first_and_narrow(tmp_path):
     assert table[3].split()[:3] == ["jaxaccum", "vs", "torch"] and table[3].endswith("pass")
     assert table[-1].split()[0] == "torch_ref:mean_of_means" and table[-1].endswith("flagged")
     assert max(len(line) for line in report.legend(result) + table) <= report.WIDTH
-    paths = report_files.write(result, tmp_path)
+    paths = report_files.write(result, tmp_path, report.render(result))
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "**PASS**: 1/1 checks within tolerance" in paths["md"].read_text()

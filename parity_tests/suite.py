@@ -1,4 +1,11 @@
-"""The parity suite: which scenarios run, through what, and which comparisons decide.
+"""The parity suite: which runs each scenario gets, through what, and which comparisons decide.
+
+The flow, top down: :func:`run_suite` turns the matrix into prepared cases once
+(``parity_tests.scenarios.plan``: the dtypes and arrays of every scenario and
+big batch), hands those cases to the torch runs (``run_torch``, one launch per
+world size) and the JAX runs (``run_jax``), then compares the runs
+(:func:`build_checks`, ``parity_tests.compare``) into a
+``parity_tests.compare.SuiteResult``, which the report reads.
 
 For every scenario (a window layout of the default skewed data):
 
@@ -24,7 +31,7 @@ micro-batch of one rank in window 3, the same way on both sides):
     jaxaccum  vs torch_ref          the same windows skipped, the same loss-scale and
                                     update_id sequences (exactly), parameters within fp32
 
-Matrices (:func:`scenarios`): CPU full = world {1, 2, 4} x k {1, 2, 4} x unit
+Matrices (``parity_tests.scenarios.matrix``): CPU full = world {1, 2, 4} x k {1, 2, 4} x unit
 {token, sample} x dtype {float32, float64}; CUDA full = the same with
 {float32, bfloat16}; ``quick`` = three scenarios that cover both units, several
 devices, the short window and (CPU) float64. Both add the loss-scaling scenario.
@@ -33,125 +40,20 @@ Negative controls run in float32.
 
 from __future__ import annotations
 
-import dataclasses
 import math
+import sys
 import time
 import traceback
+from collections.abc import Callable
 
 import numpy as np
 
-from parity_tests import compare
-from parity_tests.compare import TOLERANCES, Check, Run
-from parity_tests.scenarios import LossScaling, Optimizer, Scenario
-from tinygpt import TinyGPTConfig
-from tinygpt.weights import init_state_dict
+from parity_tests import compare, run_jax, run_torch, scenarios
+from parity_tests.compare import TOLERANCES, Check, Run, SuiteResult
+from parity_tests.scenarios import Case, Plan, Scenario
+from torch_ref import buggy
 
-# Warmup-cosine over the 5 updates and clipping that is active in the first
-# windows (the default data's window gradient norms are ~3.3, 3.3, 3.3, 2.1,
-# 2.0): the schedule, clipping and short-window paths all matter.
-DEFAULT_OPT = Optimizer(schedule="warmup_cosine", max_grad_norm=2.5)
-WEIGHT_SEED = 0  # every scenario starts from tinygpt.weights.init_state_dict(..., WEIGHT_SEED)
-SHORT_WINDOW = 2  # window 2 has half the samples and 1 micro-batch per rank (an epoch end)
-
-
-def scenario(world: int, k: int, unit: str = "token", dtype: str = "float32") -> Scenario:
-    """A scenario of the suite: default data and optimizer, the short window (``k_short = 1``)."""
-    return Scenario(
-        world=world, k=k, unit=unit, dtype=dtype, opt=DEFAULT_OPT, short_window=SHORT_WINDOW
-    )
-
-
-def control_scenario(dtype: str = "float32") -> Scenario:
-    """Where the negative controls run: R=2, k=2, token unit."""
-    return scenario(2, 2, "token", dtype)
-
-
-# fp16 dynamic loss scaling (fp32 compute) on R2k2: scale 2**10, doubled after every 2 applied
-# windows, and an inf injected into rank 1's first micro-batch of window 3: expected
-# skipped F F F T F and next-window scales 1024 2048 2048 1024 1024 (a growth, then a backoff).
-LOSS_SCALING = LossScaling(init_scale=2.0**10, growth_interval=2, inf_microbatches=((3, 1, 0),))
-
-
-def scaling_scenario() -> Scenario:
-    """The loss-scaling scenario: the control scenario (R2k2 token fp32) with :data:`LOSS_SCALING`."""
-    return dataclasses.replace(control_scenario(), loss_scaling=LOSS_SCALING)
-
-
-def scenarios(device: str = "cpu", quick: bool = False) -> tuple[list[Scenario], list[Scenario]]:
-    """``(scenarios, control scenarios)`` of a run of the suite."""
-    dtypes = ("float32", "float64") if device == "cpu" else ("float32", "bfloat16")
-    if quick:
-        scns = [
-            control_scenario(),
-            scenario(4, 1, "sample"),
-            scenario(2, 2, "token", dtypes[1]),
-            scaling_scenario(),
-        ]
-        return scns, [control_scenario()]
-    scns = [
-        scenario(w, k, u, d)
-        for d in dtypes
-        for u in ("token", "sample")
-        for w in (1, 2, 4)
-        for k in (1, 2, 4)
-    ]
-    scns.append(scaling_scenario())
-    # Controls in fp32 only: they are judged against the fp32 tolerance, and bf16 noise alone
-    # (~5e-2 of the movement) would pass for a "flag" there.
-    return scns, [control_scenario("float32")]
-
-
-@dataclasses.dataclass
-class SuiteResult:
-    """Everything a run of the suite produced."""
-
-    device: str
-    quick: bool
-    checks: list[Check]
-    runs: dict[str, Run]  # by run key (see ``_key``)
-    errors: dict[str, str]  # run key -> traceback of a run that failed
-    seconds: float
-    scenarios: dict[str, Scenario]  # every scenario run (and its big batch), by name
-
-    @property
-    def passed(self) -> bool:
-        return not self.errors and all(c.passed for c in self.checks)
-
-
-def _key(kind: str, scn: Scenario, bug: str | None = None) -> str:
-    return f"{kind}|{scn.name}" + (f"|{bug}" if bug else "")
-
-
-class _Tasks:
-    """Runs ``(description, fn)`` tasks under a tqdm progress bar.
-
-    Each ``fn`` returns ``{run key: Run}``; a task that raises is recorded in
-    ``errors`` under its description (and fails the suite), the others go on.
-    """
-
-    def __init__(self):
-        self.items = []
-
-    def add(self, desc: str, fn) -> None:
-        self.items.append((desc, fn))
-
-    def run(self, progress: bool, runs: dict[str, Run], errors: dict[str, str]) -> None:
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(self.items), unit="run", dynamic_ncols=True)
-        for desc, fn in self.items:
-            if bar is not None:
-                bar.set_description(desc[:60])
-            try:
-                runs.update(fn())
-            except Exception:  # noqa: BLE001 - recorded, reported, and fails the suite
-                errors[desc] = traceback.format_exc(limit=6)
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
+Task = tuple[str, Callable[[], dict[str, Run]]]  # (description, () -> {run key: Run})
 
 
 def run_suite(
@@ -170,125 +72,147 @@ def run_suite(
       progress: show a tqdm progress bar.
       scns, controls: override the matrix.
     """
-    import torch_ref
-    from parity_tests import run_jax, run_torch
-
     t0 = time.perf_counter()
-    default_scns, default_controls = scenarios(device, quick)
-    scns = default_scns if scns is None else scns
-    controls = default_controls if controls is None else controls
-    weights = init_state_dict(TinyGPTConfig(), seed=WEIGHT_SEED)
+    plan = scenarios.plan(device, quick, scns, controls)
+    torch_groups = _torch_groups(plan)
     runs: dict[str, Run] = {}
     errors: dict[str, str] = {}
-    bigs = list(dict.fromkeys(s.big_batch() for s in scns + controls))
-
-    # torch_ref: one batch of jobs per world size: one DDP spawn each (world 1 runs in-process).
-    jobs: dict[int, list[tuple[str, run_torch.TorchJob]]] = {}
-
-    def add_job(key, job):
-        jobs.setdefault(1 if job.big_batch else job.scn.world, []).append((key, job))
-
-    for big in bigs:
-        add_job(_key("torch big", big), run_torch.TorchJob(big, big_batch=True))
-    for scn in scns:
-        if scn != scn.big_batch():
-            add_job(_key("torch", scn), run_torch.TorchJob(scn, count_comm=scn in controls))
-    for ctl in controls:
-        if ctl not in scns:
-            add_job(_key("torch", ctl), run_torch.TorchJob(ctl, count_comm=True))
-        for bug in torch_ref.buggy.VARIANTS:
-            add_job(_key("torch", ctl, bug), run_torch.TorchJob(ctl, bug=bug, count_comm=True))
-
-    tasks = _Tasks()
-    for world, group in sorted(jobs.items()):
-
-        def torch_group(group=group):
-            done = run_torch.run_torch_jobs([j for _, j in group], weights, device=device)
-            return {key: run for (key, _), run in zip(group, done, strict=False)}
-
-        tasks.add(f"torch_ref R={world} ({len(group)} runs)", torch_group)
-    # The JAX big batch costs a compilation per (unit, dtype): the quick matrix runs it for the
-    # control scenarios only (its other scenarios meet the torch big batch instead).
-    for big in dict.fromkeys([c.big_batch() for c in controls] if quick else bigs):
-        key = _key("jax big", big)
-        tasks.add(key, lambda key=key, big=big: {key: run_jax.run_big_batch(big, weights)})
-    for scn in scns + [c for c in controls if c not in scns]:
-        key = _key("jaxaccum", scn)
-        tasks.add(key, lambda key=key, scn=scn: {key: run_jax.run_jaxaccum(scn, weights)})
-    for ctl in controls:
-        key = _key("optax.MultiSteps", ctl)
-        tasks.add(key, lambda key=key, ctl=ctl: {key: run_jax.run_optax_multisteps(ctl, weights)})
-    tasks.run(progress, runs, errors)
-    for world, group in jobs.items():  # the runs of a torch group that failed
+    tasks = _torch_tasks(torch_groups, device) + _jax_tasks(plan, quick)
+    _run_tasks(tasks, progress, runs, errors)
+    for world, group in torch_groups.items():  # the runs of a torch group that failed
         for key, _ in group:
             if key not in runs:
                 errors.setdefault(key, f"not run: its torch_ref group R={world} failed")
-
-    checks = build_checks(scns, controls, runs)
-    named = {s.name: s for s in scns + controls + bigs}
-    return SuiteResult(device, quick, checks, runs, errors, time.perf_counter() - t0, named)
+    checks = build_checks(plan, runs)
+    return SuiteResult(device, quick, checks, runs, errors, time.perf_counter() - t0, plan.named)
 
 
-def _torch_run(runs, scn: Scenario) -> Run | None:
-    """torch_ref's run of ``scn`` (its big batch run when the layout is R = k = 1)."""
-    if scn == scn.big_batch():
-        return runs.get(_key("torch big", scn))
-    return runs.get(_key("torch", scn))
+def _key(kind: str, case: Case | Scenario, bug: str | None = None) -> str:
+    """A run's key: its kind, the scenario's name, the bug."""
+    return f"{kind}|{case.name}" + (f"|{bug}" if bug else "")
 
 
-def build_checks(scns, controls, runs: dict[str, Run]) -> list[Check]:
+def _torch_groups(plan: Plan) -> dict[int, list[tuple[str, run_torch.TorchJob]]]:
+    """torch_ref's runs by world size, one launch each (world 1 runs in-process): every
+    big batch, every scenario that is no big batch, each control with every bug."""
+    jobs: dict[int, list[tuple[str, run_torch.TorchJob]]] = {}
+
+    def add(key, job):
+        jobs.setdefault(1 if job.big_batch else job.case.scn.world, []).append((key, job))
+
+    for big in plan.bigs:
+        add(_key("torch big", big), run_torch.TorchJob(big, big_batch=True))
+    for case in plan.cases:
+        if case.big is not None:
+            add(_key("torch", case), run_torch.TorchJob(case, count_comm=case in plan.controls))
+    for ctl in plan.controls:
+        if ctl not in plan.cases:
+            add(_key("torch", ctl), run_torch.TorchJob(ctl, count_comm=True))
+        for bug in buggy.VARIANTS:
+            add(_key("torch", ctl, bug), run_torch.TorchJob(ctl, bug=bug, count_comm=True))
+    return jobs
+
+
+def _torch_tasks(groups: dict[int, list[tuple[str, run_torch.TorchJob]]], device: str):
+    """One task per world size: its jobs in one launch."""
+    tasks: list[Task] = []
+    for world, group in sorted(groups.items()):
+
+        def torch_group(group=group):
+            done = run_torch.run_torch_jobs([j for _, j in group], device=device)
+            return {key: run for (key, _), run in zip(group, done, strict=False)}
+
+        tasks.append((f"torch_ref R={world} ({len(group)} runs)", torch_group))
+    return tasks
+
+
+def _jax_tasks(plan: Plan, quick: bool) -> list[Task]:
+    """The JAX big batches, jaxaccum on every scenario, optax.MultiSteps on the controls.
+
+    The JAX big batch costs a compilation per (unit, dtype): the quick matrix runs it
+    for the control scenarios only (its other scenarios meet the torch big batch instead).
+    """
+    tasks: list[Task] = []
+    bigs = [c.big or c for c in plan.controls] if quick else plan.bigs
+    for big in dict.fromkeys(bigs):
+        key = _key("jax big", big)
+        tasks.append((key, lambda key=key, case=big: {key: run_jax.run_big_batch(case)}))
+    for case in plan.cases + [c for c in plan.controls if c not in plan.cases]:
+        key = _key("jaxaccum", case)
+        tasks.append((key, lambda key=key, case=case: {key: run_jax.run_jaxaccum(case)}))
+    for ctl in plan.controls:
+        key = _key("optax.MultiSteps", ctl)
+        tasks.append((key, lambda key=key, case=ctl: {key: run_jax.run_optax_multisteps(case)}))
+    return tasks
+
+
+def _run_tasks(tasks: list[Task], progress: bool, runs: dict, errors: dict) -> None:
+    """Runs ``(description, fn)`` tasks under a tqdm progress bar (``progress``).
+
+    Each ``fn`` returns ``{run key: Run}``; a task that raises is recorded in
+    ``errors`` under its description (and fails the suite), the others go on.
+    """
+    from tqdm import tqdm
+
+    with tqdm(total=len(tasks), unit="run", dynamic_ncols=True, disable=not progress,
+              file=sys.stderr) as bar:  # fmt: skip
+        for desc, fn in tasks:
+            bar.set_description(desc[:60])
+            try:
+                runs.update(fn())
+            except Exception:  # noqa: BLE001 - recorded, reported, and fails the suite
+                errors[desc] = traceback.format_exc(limit=6)
+            bar.update(1)
+
+
+def _torch_run(runs: dict[str, Run], case: Case) -> Run | None:
+    """torch_ref's run of ``case`` (its big batch run when the layout is R = k = 1)."""
+    return runs.get(_key("torch big" if case.big is None else "torch", case))
+
+
+def build_checks(plan: Plan, runs: dict[str, Run]) -> list[Check]:
     """Every comparison whose runs exist (a missing run is in the suite's ``errors``)."""
-    import torch_ref
-
     checks = []
 
-    def add(scn, a, b, kind="parity", comm=None):
+    def add(case, a, b):
         if a is not None and b is not None:
-            checks.append(
-                compare.compare(
-                    scn.name,
-                    a,
-                    b,
-                    TOLERANCES[scn.dtype],
-                    kind,
-                    comm,
-                    scaling=scn.loss_scaling is not None,
-                )
-            )
+            tol = TOLERANCES[case.dtype]
+            checks.append(compare.compare(case.name, a, b, tol, scaling=case.scaled))
 
-    for big in dict.fromkeys(s.big_batch() for s in scns + controls):
+    for big in plan.bigs:
         add(big, runs.get(_key("jax big", big)), runs.get(_key("torch big", big)))
-    for scn in scns:
-        big = scn.big_batch()
-        ja, tr = runs.get(_key("jaxaccum", scn)), _torch_run(runs, scn)
-        add(scn, ja, tr)
-        if scn.loss_scaling is not None:
+    for case in plan.cases:
+        big = case.big or case
+        ja, tr = runs.get(_key("jaxaccum", case)), _torch_run(runs, case)
+        add(case, ja, tr)
+        if case.scaled:
             continue  # a skipped window: no big batch to match, only jaxaccum vs torch_ref
-        add(scn, ja, runs.get(_key("jax big", big)))
-        if scn != big:
-            add(scn, ja, runs.get(_key("torch big", big)))
-        if scn != big:
-            add(scn, tr, runs.get(_key("torch big", big)))
-    for ctl in controls:
-        big = ctl.big_batch()
-        tol = TOLERANCES["float32"]  # controls are judged against the fp32 tolerance
-        jbig, tbig, tr = (
-            runs.get(_key("jax big", big)),
-            runs.get(_key("torch big", big)),
-            _torch_run(runs, ctl),
-        )
-        ms = runs.get(_key("optax.MultiSteps", ctl))
-        if ms is not None and jbig is not None:
-            checks.append(compare.compare(ctl.name, ms, jbig, tol, "control"))
-        for bug in torch_ref.buggy.VARIANTS:
-            run = runs.get(_key("torch", ctl, bug))
-            if run is None or tbig is None:
-                continue
-            if torch_ref.buggy.VARIANTS[bug].communication_only:
-                comm = (_allreduces(run), _allreduces(tr)) if tr is not None else None
-                checks.append(compare.compare(ctl.name, run, tbig, tol, "comm-control", comm))
-            else:
-                checks.append(compare.compare(ctl.name, run, tbig, tol, "control"))
+        add(case, ja, runs.get(_key("jax big", big)))
+        if case.big is not None:
+            add(case, ja, runs.get(_key("torch big", big)))
+            add(case, tr, runs.get(_key("torch big", big)))
+    for ctl in plan.controls:
+        checks += _control_checks(ctl, runs)
+    return checks
+
+
+def _control_checks(ctl: Case, runs: dict[str, Run]) -> list[Check]:
+    """The negative controls of ``ctl``, each against its framework's big batch (fp32's
+    tolerance); the communication-only bug by its all-reduces against torch_ref's."""
+    big, tol, checks = ctl.big or ctl, TOLERANCES["float32"], []
+    jbig, tbig = runs.get(_key("jax big", big)), runs.get(_key("torch big", big))
+    ms, tr = runs.get(_key("optax.MultiSteps", ctl)), _torch_run(runs, ctl)
+    if ms is not None and jbig is not None:
+        checks.append(compare.compare(ctl.name, ms, jbig, tol, "control"))
+    for bug, variant in buggy.VARIANTS.items():
+        run = runs.get(_key("torch", ctl, bug))
+        if run is None or tbig is None:
+            continue
+        if variant.communication_only:
+            comm = (_allreduces(run), _allreduces(tr)) if tr is not None else None
+            checks.append(compare.compare(ctl.name, run, tbig, tol, "comm-control", comm))
+        else:
+            checks.append(compare.compare(ctl.name, run, tbig, tol, "control"))
     return checks
 
 

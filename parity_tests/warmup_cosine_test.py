@@ -1,8 +1,9 @@
-"""torch_ref.WarmupCosine is optax.warmup_cosine_decay_schedule, the JAX side's learning rate.
+"""The torch runs' WarmupCosine is optax.warmup_cosine_decay_schedule, the JAX side's LR.
 
-The parity suite runs optax's schedule inside jaxaccum and ``torch_ref.WarmupCosine``
-in a torch ``LambdaLR``; both count applied updates. Here the torch side is checked
-against optax itself, for every update count up to past the end of the decay.
+The parity suite runs optax's schedule inside jaxaccum and ``WarmupCosine``
+(``parity_tests.torch_scenario``) in a torch ``LambdaLR``; both count applied updates.
+Here the torch side is checked against optax itself, for every update count up to
+past the end of the decay.
 """
 
 import jax
@@ -12,13 +13,15 @@ import pytest
 
 pytest.importorskip("torch", reason="needs torch: no CPU build for this Python here")
 
-import torch_ref  # noqa: E402
+from parity_tests.torch_ranks import run_scenario  # noqa: E402
+from parity_tests.torch_scenario import SGD, Scenario, WarmupCosine, split_window  # noqa: E402
+from tinygpt import TinyGPTConfig  # noqa: E402
 from tinygpt.weights import init_state_dict  # noqa: E402
 
 pytestmark = pytest.mark.slow  # optax compiled twice per case (x64 on and off): make test
 
 # (warmup_steps, decay_steps, init_value, end_value, peak): the parity suite's schedule
-# (parity_tests.suite.DEFAULT_OPT), torch_ref's DDP tests', one without warmup, one long.
+# (parity_tests.scenarios.DEFAULT_OPT), torch_ref's DDP tests', one without warmup, one long.
 CASES = [(2, 8, 1e-4, 1e-5, 1e-3), (1, 4, 1e-4, 0.0, 1e-3), (0, 10, 0.0, 0.0, 3e-3),
          (100, 1000, 0.0, 3e-5, 3e-4)]  # fmt: skip
 
@@ -35,7 +38,7 @@ def _optax(warmup, decay, init, end, peak, counts, x64: bool) -> np.ndarray:
 def test_warmup_cosine_is_optax_schedule(case):
     warmup, decay, init, end, peak = case
     counts = list(range(decay + 3))  # through the warmup, the decay and past its end
-    ours = np.array([torch_ref.WarmupCosine(warmup, decay, init, end)(t, peak) for t in counts])
+    ours = np.array([WarmupCosine(warmup, decay, init, end)(t, peak) for t in counts])
     # against optax in float64: the same formula rounded differently (measured <= 2.7e-16 of the
     # peak)
     assert np.abs(ours - _optax(*case, counts, x64=True)).max() <= 1e-15 * peak
@@ -47,16 +50,16 @@ def test_warmup_cosine_is_optax_schedule(case):
 def test_torch_ref_records_optax_learning_rates():
     """End to end: the learning_rate of each applied update in torch_ref's records."""
     warmup, decay, init, end, peak = CASES[0]
-    config = torch_ref.TinyGPTConfig(block_size=8, n_layer=1, n_head=2, d_model=16)
+    config = TinyGPTConfig(block_size=8, n_layer=1, n_head=2, d_model=16)
     ids = np.random.default_rng(0).integers(1, 256, (2, 8))
-    windows = [torch_ref.split_window(ids, ids, 1, 1)] * (decay + 2)
-    result = torch_ref.run_scenario(
-        torch_ref.Scenario(
+    windows = [split_window(ids, ids, 1, 1)] * (decay + 2)
+    result = run_scenario(
+        Scenario(
             config=config,
             weights=init_state_dict(config, seed=0),
             windows=windows,
-            optimizer=torch_ref.SGD(lr=peak),
-            schedule=torch_ref.WarmupCosine(warmup, decay, init, end),
+            optimizer=SGD(lr=peak),
+            schedule=WarmupCosine(warmup, decay, init, end),
         )
     )
     lrs = np.array([r["learning_rate"] for r in result.records])

@@ -7,11 +7,17 @@
 * the tiny LM of the unit tests (:func:`tiny_lm_params`, :func:`tiny_lm_loss`);
 * :func:`data_parallel` (``testkit.modes``): one ``value_and_grad -> update -> apply_updates``
   micro-step for every way of running it (one device, plain ``jit`` on an
-  Explicit mesh, GSPMD, ``shard_map``, ``pmap``, ``vmap``);
+  Explicit mesh, GSPMD, ``shard_map``, ``pmap``, ``vmap``), the unit tests' and
+  the parity suite's;
+* the JAX big batch, the one reference of every JAX comparison, written without
+  jaxaccum (:func:`big_batch_step`, :func:`big_batch_updates`, :func:`big_batch_run`,
+  :func:`big_batch_last_window`; clipping by :func:`clip_like_torch`);
+* ``testkit.audited_loops``: the accumulation loops users write (the known bugs
+  and jaxaccum's), for a loss of their choice;
 * ``testkit.hlo``: the one reader of compiled HLO.
 
 and the skewed token windows of the unit tests (:func:`skewed_windows`, drawn by
-``tinygpt.data``, the project's one generator and layout).
+``tinygpt.data``, the project's one generator and one way to split a window).
 """
 
 from __future__ import annotations
@@ -28,10 +34,10 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxaccum import losses
-from testkit.modes import AXIS, MODES, DataParallel, data_parallel
+from testkit.modes import AXIS, MODES, DataParallel, data_parallel, mode_for
 from tinygpt import data
 
-__all__ = ["AXIS", "MODES", "DataParallel", "data_parallel"]  # re-exported from testkit.modes
+__all__ = ["AXIS", "MODES", "DataParallel", "data_parallel", "mode_for"]  # from testkit.modes
 
 
 @contextlib.contextmanager
@@ -129,15 +135,64 @@ def mean_loss(loss_fn: Callable) -> Callable:
     return mean
 
 
-def big_batch_run(params: Any, batches: list, loss_fn: Callable, inner: Callable) -> Any:
-    """The reference: one ``inner()`` step per window on its token mean, on one device."""
-    tx = standard(inner())
-    grad = jax.jit(jax.grad(mean_loss(loss_fn)))
-    step = jax.jit(lambda p, s, g: tx.update(g, s, p))
-    state = tx.init(params)
+# -- The JAX big batch: the reference every JAX run is compared with (no jaxaccum code in it).
+
+
+def clip_like_torch(grads: Any, max_norm: float | None) -> tuple[Any, jax.Array]:
+    """``(clipped grads, norm before)``: ``torch.nn.utils.clip_grad_norm_``'s formula,
+    ``coef = min(1, max_norm / (norm + 1e-6))`` (``max_norm`` None: no clipping)."""
+    norm = optax.tree.norm(grads)
+    if max_norm is None:
+        return grads, norm
+    coef = jnp.minimum(1.0, max_norm / (norm + 1e-6)).astype(norm.dtype)
+    return jax.tree.map(lambda g: g * coef.astype(g.dtype), grads), norm
+
+
+def big_batch_step(
+    loss_fn: Callable, tx: optax.GradientTransformation, max_grad_norm: float | None = None
+) -> Callable:
+    """The reference update of one window, jitted: ``(params, state, batch) -> (params,
+    state, record)``, one ``tx`` step on the window's mean loss (clipped like torch).
+
+    ``record``: the window's ``loss`` (mean), ``window_items`` and ``grad_norm`` (before
+    clipping). ``tx`` is called as it is (wrap third-party code in :func:`standard`).
+    """
+
+    def step(params, state, batch):
+        def mean(p):
+            loss_sum, num_items = loss_fn(p, batch)
+            return loss_sum / jnp.maximum(num_items, 1.0), num_items
+
+        (loss, num_items), grads = jax.value_and_grad(mean, has_aux=True)(params)
+        grads, norm = clip_like_torch(grads, max_grad_norm)
+        updates, state = tx.update(grads, state, params)
+        record = {"loss": loss, "window_items": num_items, "grad_norm": norm}
+        return optax.apply_updates(params, updates), state, record
+
+    return jax.jit(step)
+
+
+def big_batch_updates(
+    params: Any,
+    batches: list,
+    loss_fn: Callable,
+    tx: optax.GradientTransformation,
+    *,
+    max_grad_norm: float | None = None,
+) -> Iterator[tuple[Any, dict]]:
+    """The big batch on one device: ``(params, record)`` after each window's
+    :func:`big_batch_step` (``batches``: one whole window each)."""
+    step = big_batch_step(loss_fn, tx, max_grad_norm)
+    state = jax.jit(tx.init)(params)
     for batch in batches:
-        updates, state = step(params, state, grad(params, batch))
-        params = optax.apply_updates(params, updates)
+        params, state, record = step(params, state, batch)
+        yield params, record
+
+
+def big_batch_run(params: Any, batches: list, loss_fn: Callable, inner: Callable) -> Any:
+    """The reference's parameters: one ``inner()`` step per window on its token mean."""
+    tx = standard(inner())
+    *_, (params, _) = big_batch_updates(params, batches, loss_fn, tx)
     return params
 
 
@@ -147,14 +202,9 @@ def big_batch_last_window(params: Any, batches: list, loss_fn: Callable, inner: 
     A uniform scale error (R-fold or k-fold items, a missing division) leaves
     AdamW's parameters unchanged; these three numbers show it.
     """
-    params = big_batch_run(params, batches[:-1], loss_fn, inner)
-    loss_sum, num_items = loss_fn(params, batches[-1])
-    grads = jax.grad(mean_loss(loss_fn))(params, batches[-1])
-    return {
-        "window_items": float(num_items),
-        "loss": float(loss_sum / num_items),
-        "grad_norm": float(optax.tree.norm(grads)),
-    }
+    tx = standard(inner())
+    *_, (_, record) = big_batch_updates(params, batches, loss_fn, tx)
+    return {key: float(value) for key, value in record.items()}
 
 
 def assert_records_match(metrics: Any, expected: dict, *, rtol: float, reason: str) -> None:
@@ -168,7 +218,7 @@ def assert_records_match(metrics: Any, expected: dict, *, rtol: float, reason: s
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class WindowSplit:
     """How one window is split: ``devices`` x ``k`` micro-batches of a window of
     ``devices * k * micro_batch`` samples."""
 
@@ -178,13 +228,13 @@ class Layout:
 
 
 def skewed_windows(
-    layout: Layout, num_windows: int, *, seq_len: int = 10, vocab: int = 13, seed: int = 0
+    split: WindowSplit, num_windows: int, *, seq_len: int = 10, vocab: int = 13, seed: int = 0
 ) -> dict[str, np.ndarray]:
     """Token windows with strongly unequal valid-token counts, from ``tinygpt.data``.
 
     Each window: ``devices * k * micro_batch`` samples of ``tinygpt.data.skewed_batch``
     (ids from ``[1, vocab)``, a 1-token prompt: labels at positions ``1..n``) laid
-    out by ``tinygpt.data.layout(..., deal="empty_device")``: every device holds a
+    out by ``tinygpt.data.split_batches(..., deal="empty_device")``: every device holds a
     different number of valid tokens, with several devices the last one holds
     none; with one device and ``k > 1`` the last micro-batch holds none.
 
@@ -192,12 +242,12 @@ def skewed_windows(
     ``mb`` for all windows (padding rows: token 0, labels -100).
     """
     rng = np.random.default_rng(seed)
-    rows = layout.devices * layout.k * layout.micro_batch
+    rows = split.devices * split.k * split.micro_batch
     batches = [
         data.skewed_batch(rng, rows=rows, seq_len=seq_len, prompt_len=1, vocab=vocab)
         for _ in range(num_windows)
     ]
-    laid = data.layout_windows(batches, layout.devices, layout.k, deal="empty_device")
+    laid = data.split_batches(batches, split.devices, split.k, deal="empty_device")
     return {"tokens": np.stack([t for t, _ in laid]), "labels": np.stack([y for _, y in laid])}
 
 

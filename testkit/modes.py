@@ -1,7 +1,12 @@
 """One ``multi_steps`` micro-step in every data-parallel mode: :func:`data_parallel`.
 
-The body is the README's (``value_and_grad -> update -> apply_updates``); the modes
-differ only in how params, state and batches are placed and how the body is mapped.
+The body is the README's (``value_and_grad -> update -> apply_updates``,
+:func:`micro_step`); the modes differ only in how params, state and batches are
+placed and how the body is mapped: on a mesh under ``jit`` (:func:`_jitted`:
+one device, an Explicit mesh, GSPMD), under ``shard_map`` (:func:`_shard_mapped`),
+or with a leading device axis (:func:`_stacked`: ``pmap``, ``vmap`` lanes).
+The unit tests and the parity suite run their data-parallel windows here;
+:func:`mode_for` is the suite's choice of mode for R ranks on this host.
 """
 
 from __future__ import annotations
@@ -48,6 +53,14 @@ class DataParallel:
     hlo: Callable[[Any, Any, Any], str]
 
 
+def mode_for(devices: int, *, lanes: bool = False) -> str:
+    """How ``devices`` ranks run on this host: ``one_device`` for one; plain ``jit`` on an
+    Explicit mesh when JAX has devices enough (and not ``lanes``); else ``vmap`` lanes."""
+    if devices == 1:
+        return "one_device"
+    return "jit" if len(jax.devices()) >= devices and not lanes else "vmap"
+
+
 def data_parallel(
     tx_fn: Callable[[str | None], optax.GradientTransformation],
     loss_fn: Callable,
@@ -55,7 +68,7 @@ def data_parallel(
     devices: int,
     *,
     donate: bool = False,
-    loss_scaled: bool = False,
+    loss_scale: str | float | None = None,
 ) -> DataParallel:
     """The README's micro-step (``value_and_grad -> update -> apply_updates``) in ``mode``.
 
@@ -68,87 +81,124 @@ def data_parallel(
         ``shard_map``, ``pmap`` or ``vmap`` (lanes with an axis name).
       devices: the number of devices (JAX's first ones).
       donate: donate params and state (``jit`` modes).
-      loss_scaled: differentiate with ``loss_scale=jaxaccum.loss_scale(state)``
-        (a ``multi_steps`` with ``loss_scaling``).
+      loss_scale: ``jaxaccum.value_and_grad``'s ``loss_scale``: None (the summed loss
+        as it is), a number (that constant: 1.0 still takes the scaled path), or
+        ``"state"`` (``jaxaccum.loss_scale(state)``, a ``multi_steps`` with ``loss_scaling``).
+
+    Raises:
+      ValueError: an unknown ``mode``.
     """
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     axis = None if mode in ("one_device", "gspmd") else AXIS
     tx = tx_fn(axis)
-    grad_fn = jaxaccum.value_and_grad(loss_fn, axis_name=axis if mode != "vmap" else None)
+    body = micro_step(tx, loss_fn, axis if mode != "vmap" else None, loss_scale)
     donated = dict(donate_argnums=(0, 1)) if donate else {}
+    if mode == "shard_map":
+        return _shard_mapped(devices, tx, body, donated)
+    if mode in ("pmap", "vmap"):
+        return _stacked(mode, devices, tx, body)
+    return _jitted(mode, devices, tx, body, donated)
+
+
+def micro_step(
+    tx: optax.GradientTransformation,
+    loss_fn: Callable,
+    grad_axis: str | None,
+    loss_scale: str | float | None = None,
+) -> Callable:
+    """``body(params, state, batch, **update_kwargs) -> (params, state)``: the README's step.
+
+    ``grad_axis`` is ``jaxaccum.value_and_grad``'s axis (a ``vmap`` lane
+    differentiates its own rows: None); ``loss_scale`` as :func:`data_parallel`'s.
+    """
+    grad_fn = jaxaccum.value_and_grad(loss_fn, axis_name=grad_axis)
 
     def body(params, state, batch, **kw):
-        scale = jaxaccum.loss_scale(state) if loss_scaled else None
+        scale = jaxaccum.loss_scale(state) if loss_scale == "state" else loss_scale
         (loss_sum, num_items), grads = grad_fn(params, batch, loss_scale=scale)
         updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum,
                                    **kw)  # fmt: skip
         return optax.apply_updates(params, updates), state
 
-    rows = lambda batch: jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)
-    if mode in ("one_device", "jit", "gspmd"):
-        types = {"jit": jax.sharding.AxisType.Explicit, "gspmd": jax.sharding.AxisType.Auto}
-        mesh = None
-        if mode != "one_device":
-            mesh = jax.make_mesh((devices,), (AXIS,), axis_types=(types[mode],),
-                                 devices=jax.devices()[:devices])  # fmt: skip
-        context = (lambda: jax.set_mesh(mesh)) if mode == "jit" else contextlib.nullcontext
-        jitted = jax.jit(body, **donated)
+    return body
 
-        def init(params):
-            with context():
-                if mesh is not None:
-                    params = jax.device_put(params, NamedSharding(mesh, P()))
-                state = jax.jit(tx.init)(params)
-                if mode == "gspmd":
-                    state = jax.device_put(state, NamedSharding(mesh, P()))
-                return params, state
 
-        def placed(batch):
-            batch = rows(batch)
-            return batch if mesh is None else jax.device_put(batch, NamedSharding(mesh, P(AXIS)))
+def _rows(batch: Any) -> Any:
+    """Per-device leaves ``[devices, rows, ...]`` as one global batch ``[devices * rows, ...]``."""
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), batch)
 
-        def step(params, state, batch, **kw):
-            with context():
-                return jitted(params, state, placed(batch), **kw)
 
-        def hlo(params, state, batch):
-            with context():
-                return jitted.lower(params, state, placed(batch)).compile().as_text()
+def _jitted(mode: str, devices: int, tx, body: Callable, donated: dict) -> DataParallel:
+    """``one_device``, ``jit`` (Explicit mesh, under ``jax.set_mesh``) or ``gspmd`` (Auto mesh)."""
+    types = {"jit": jax.sharding.AxisType.Explicit, "gspmd": jax.sharding.AxisType.Auto}
+    mesh = None
+    if mode != "one_device":
+        mesh = jax.make_mesh((devices,), (AXIS,), axis_types=(types[mode],),
+                             devices=jax.devices()[:devices])  # fmt: skip
+    context = (lambda: jax.set_mesh(mesh)) if mode == "jit" else contextlib.nullcontext
+    jitted = jax.jit(body, **donated)
 
-        return DataParallel(mode, init, step, jax.device_get, hlo)
+    def init(params):
+        with context():
+            if mesh is not None:
+                params = jax.device_put(params, NamedSharding(mesh, P()))
+            state = jax.jit(tx.init)(params)
+            if mode == "gspmd":
+                state = jax.device_put(state, NamedSharding(mesh, P()))
+            return params, state
 
-    if mode == "shard_map":
-        mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
-        specs = None
+    def placed(batch):
+        batch = _rows(batch)
+        return batch if mesh is None else jax.device_put(batch, NamedSharding(mesh, P(AXIS)))
 
-        def init(params):
-            nonlocal specs
-            specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, params), AXIS)
-            params = jax.device_put(params, NamedSharding(mesh, P()))
-            state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
-            return params, state(params)
+    def step(params, state, batch, **kw):
+        with context():
+            return jitted(params, state, placed(batch), **kw)
 
-        @partial(jax.jit, static_argnames=("kw_names",), **donated)
-        def mapped(params, state, batch, kw_values, kw_names):
-            def per_device(params, state, batch, kw_values):
-                kw = dict(zip(kw_names, kw_values, strict=True))
-                return body(params, state, jax.tree.map(lambda x: x[0], batch), **kw)
+    def hlo(params, state, batch):
+        with context():
+            return jitted.lower(params, state, placed(batch)).compile().as_text()
 
-            sm = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), specs, P(AXIS), P()),
-                               out_specs=(P(), specs))  # fmt: skip
-            return sm(params, state, batch, kw_values)
+    return DataParallel(mode, init, step, jax.device_get, hlo)
 
-        placed = lambda batch: jax.device_put(batch, NamedSharding(mesh, P(AXIS)))
 
-        def step(params, state, batch, **kw):
-            return mapped(params, state, placed(batch), tuple(kw.values()), tuple(kw))
+def _shard_mapped(devices: int, tx, body: Callable, donated: dict) -> DataParallel:
+    """``shard_map`` over a mesh of ``devices``: per-device state (``partition_specs``)."""
+    mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
+    specs = None
 
-        def hlo(params, state, batch):
-            return mapped.lower(params, state, placed(batch), (), ()).compile().as_text()
+    def init(params):
+        nonlocal specs
+        specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, params), AXIS)
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
+        return params, state(params)
 
-        return DataParallel(mode, init, step, jax.device_get, hlo)
+    @partial(jax.jit, static_argnames=("kw_names",), **donated)
+    def mapped(params, state, batch, kw_values, kw_names):
+        def per_device(params, state, batch, kw_values):
+            kw = dict(zip(kw_names, kw_values, strict=True))
+            return body(params, state, jax.tree.map(lambda x: x[0], batch), **kw)
 
-    # pmap and vmap: every leaf carries a leading device axis; update keywords are
-    # the same on every device (in_axes None)
+        sm = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), specs, P(AXIS), P()),
+                           out_specs=(P(), specs))  # fmt: skip
+        return sm(params, state, batch, kw_values)
+
+    placed = lambda batch: jax.device_put(batch, NamedSharding(mesh, P(AXIS)))
+
+    def step(params, state, batch, **kw):
+        return mapped(params, state, placed(batch), tuple(kw.values()), tuple(kw))
+
+    def hlo(params, state, batch):
+        return mapped.lower(params, state, placed(batch), (), ()).compile().as_text()
+
+    return DataParallel("shard_map", init, step, jax.device_get, hlo)
+
+
+def _stacked(mode: str, devices: int, tx, body: Callable) -> DataParallel:
+    """``pmap`` or ``vmap``: every leaf carries a leading device axis; update keywords are
+    the same on every device (``in_axes`` None)."""
     stack = lambda tree: jax.tree.map(lambda x: jnp.broadcast_to(x, (devices,) + x.shape), tree)
     positional = lambda params, state, batch, kw_values, kw_names: body(
         params, state, batch, **dict(zip(kw_names, kw_values, strict=True))

@@ -31,9 +31,9 @@ AXIS = "data"
 
 def scenario() -> dict[str, np.ndarray]:
     """``{'tokens', 'labels'}`` of shape [windows, devices, k, micro_batch, seq]."""
-    from testkit import Layout, skewed_windows
+    from testkit import WindowSplit, skewed_windows
 
-    return skewed_windows(Layout(DEVICES, K, MICRO_BATCH), WINDOWS, seed=SEED)
+    return skewed_windows(WindowSplit(DEVICES, K, MICRO_BATCH), WINDOWS, seed=SEED)
 
 
 def train(mesh, local_windows: dict[str, np.ndarray], mode: str) -> dict[str, np.ndarray]:
@@ -51,7 +51,7 @@ def train(mesh, local_windows: dict[str, np.ndarray], mode: str) -> dict[str, np
     from jax.sharding import PartitionSpec as P
 
     import jaxaccum
-    from testkit import tiny_lm_loss, tiny_lm_params
+    from testkit import tiny_lm_params
 
     tx = jaxaccum.multi_steps(
         optax.adamw(1e-2, b1=0.9, b2=0.95, weight_decay=0.1), K, axis_name=AXIS
@@ -62,33 +62,11 @@ def train(mesh, local_windows: dict[str, np.ndarray], mode: str) -> dict[str, np
         lambda x: jax.make_array_from_process_local_data(replicated, np.asarray(x)),
         tiny_lm_params(),
     )
-    grad_fn = jaxaccum.value_and_grad(tiny_lm_loss, axis_name=AXIS)
+    state, step, as_global = (_shard_map_step if mode == "shard_map" else _jit_step)(
+        mesh, tx, params
+    )
     per_device = NamedSharding(mesh, P(AXIS))
     local = lambda x: np.asarray(x.addressable_data(0))
-    if mode == "shard_map":
-        specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, params), AXIS)
-        state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
-
-        @jax.jit
-        @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs))
-        def step(params, state, batch):
-            batch = jax.tree.map(lambda x: x[0], batch)  # this device's micro-batch
-            (loss_sum, num_items), grads = grad_fn(params, batch)
-            updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
-            return optax.apply_updates(params, updates), state
-
-        as_global = lambda x: x  # [local devices, micro_batch, seq], one row per device
-    else:
-
-        @jax.jit
-        def step(params, state, batch):  # batch: the global micro-batch, rows over AXIS
-            (loss_sum, num_items), grads = grad_fn(params, batch)
-            updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
-            return optax.apply_updates(params, updates), state
-
-        with jax.set_mesh(mesh):
-            state = jax.jit(tx.init)(params)
-        as_global = lambda x: x.reshape(-1, x.shape[-1])  # [local rows, seq]
     records = []
     with jax.set_mesh(mesh) if mode == "jit" else contextlib.nullcontext():
         for w in range(WINDOWS):
@@ -103,6 +81,53 @@ def train(mesh, local_windows: dict[str, np.ndarray], mode: str) -> dict[str, np
     for key in records[0]:
         out[f"metrics/{key}"] = np.stack([r[key] for r in records])
     return out
+
+
+def _micro_step(tx):
+    """The README's micro-step on the tiny LM (``value_and_grad`` over ``AXIS``)."""
+    import optax
+
+    import jaxaccum
+    from testkit import tiny_lm_loss
+
+    grad_fn = jaxaccum.value_and_grad(tiny_lm_loss, axis_name=AXIS)
+
+    def micro_step(params, state, batch):
+        (loss_sum, num_items), grads = grad_fn(params, batch)
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
+        return optax.apply_updates(params, updates), state
+
+    return micro_step
+
+
+def _shard_map_step(mesh, tx, params):
+    """``(state, step, as_global)`` of the step mapped over ``mesh`` (per-device state)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxaccum
+
+    specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, params), AXIS)
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+    micro_step = _micro_step(tx)
+
+    @jax.jit
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(AXIS)), out_specs=(P(), specs))
+    def step(params, state, batch):
+        batch = jax.tree.map(lambda x: x[0], batch)  # this device's micro-batch
+        return micro_step(params, state, batch)
+
+    return state, step, lambda x: x  # [local devices, micro_batch, seq], one row per device
+
+
+def _jit_step(mesh, tx, params):
+    """``(state, step, as_global)`` of plain ``jax.jit`` on ``mesh`` (unreduced window sums)."""
+    import jax
+
+    step = jax.jit(_micro_step(tx))  # batch: the global micro-batch, rows over AXIS
+    with jax.set_mesh(mesh):
+        state = jax.jit(tx.init)(params)
+    return state, step, lambda x: x.reshape(-1, x.shape[-1])  # [local rows, seq]
 
 
 def main(argv: list[str]) -> None:

@@ -7,9 +7,9 @@ tokens after the causal shift, :func:`valid_tokens`), response lengths given or
 drawn from :data:`LENGTH_MIX` (per 16 rows: 2 empty, 6 of 2-5 tokens, 2 of
 20-40, 6 of 90-110: what makes every wrong normalization visible), tokens the
 bytes of the embedded corpus (``tinygpt/corpus.txt``) or uniform ids. One
-layout, :func:`layout`: ``[S, T]`` rows to ``[devices, k, mb, T]`` micro-batches,
+way to split a batch, :func:`split_rows`: ``[S, T]`` rows to ``[devices, k, mb, T]`` micro-batches,
 every device a different count, one device or one micro-batch none
-(:func:`assignment`; :func:`layout_windows`: several windows, one ``mb``).
+(:func:`assignment`; :func:`split_batches`: several windows, one ``mb``).
 
 Example::
 
@@ -17,10 +17,10 @@ Example::
     >>> n = valid_tokens(labels)
     >>> sorted(n.tolist())[:3], int(n.max())      # empty rows beside 100-token ones
     ([0, 0, 2], 109)
-    >>> tok, lab = layout(tokens, labels, devices=2, k=2)
+    >>> tok, lab = split_rows(tokens, labels, devices=2, k=2)
     >>> tok.shape[:2], valid_tokens(lab).sum(-1).tolist()   # valid tokens [device][micro-batch]
     ((2, 2), [[127, 5], [544, 0]])
-    >>> valid_tokens(layout(tokens, labels, 3, 2, deal="empty_device")[1]).sum(-1).tolist()
+    >>> valid_tokens(split_rows(tokens, labels, 3, 2, deal="empty_device")[1]).sum(-1).tolist()
     [[127, 5], [312, 232], [0, 0]]
 """
 
@@ -250,7 +250,7 @@ def _deal_evenly(device_plan: list[list[int]], slots: list[int], rows: list[int]
         s += n
 
 
-def layout(
+def split_rows(
     tokens: np.ndarray,
     labels: np.ndarray,
     devices: int,
@@ -278,14 +278,14 @@ def layout(
     return out_tok, out_lab
 
 
-def layout_windows(
+def split_batches(
     batches: Sequence[tuple[np.ndarray, np.ndarray]],
     devices: int,
     ks: int | Sequence[int],
     *,
     deal: str = "skewed",
 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """:func:`layout` of every window's batch with one ``mb`` (the most any window needs: a
+    """:func:`split_rows` of every window's batch with one ``mb`` (the most any window needs: a
     jitted step compiles once); ``ks``: micro-batches per device, one or one per window."""
     ks = [ks] * len(batches) if isinstance(ks, int) else list(ks)
     plans = [
@@ -294,6 +294,6 @@ def layout_windows(
     ]
     mb = max(len(rows) for plan in plans for device in plan for rows in device)
     return [
-        layout(tok, lab, devices, k, deal=deal, min_rows=mb)
+        split_rows(tok, lab, devices, k, deal=deal, min_rows=mb)
         for (tok, lab), k in zip(batches, ks, strict=True)
     ]

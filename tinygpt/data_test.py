@@ -12,7 +12,7 @@ from tinygpt import data
 from tinygpt.data import IGNORE_INDEX, PAD_TOKEN
 
 LAYOUTS = list(itertools.product((1, 2, 4), (1, 2, 4)))
-TORCH_VALID = (2, 47, 0, 0, 30, 1, 20, 40)  # torch_ref.testing's default lengths (N = 140)
+TORCH_VALID = (2, 47, 0, 0, 30, 1, 20, 40)  # tinygpt.torch_testing's default lengths (N = 140)
 
 
 def test_corpus_is_real_text():
@@ -78,7 +78,7 @@ def _device_units(lab: np.ndarray, unit: str) -> list[int]:
 @pytest.mark.parametrize("unit", data.UNITS)
 def test_layout_holds_every_row_once_and_is_unequal(devices, k, deal, unit):
     tokens, labels = data.skewed_batch(devices * 10 + k, rows=16, seq_len=64)
-    tok, lab = data.layout(tokens, labels, devices, k, deal=deal)
+    tok, lab = data.split_rows(tokens, labels, devices, k, deal=deal)
     assert tok.shape[:2] == (devices, k)
     flat_t, flat_l = tok.reshape(-1, tok.shape[-1]), lab.reshape(-1, lab.shape[-1])
     real = [i for i in range(len(flat_t)) if (flat_t[i] != PAD_TOKEN).any()]
@@ -97,13 +97,13 @@ def test_layout_holds_every_row_once_and_is_unequal(devices, k, deal, unit):
 
 def test_in_order_deal_is_consecutive_chunks():
     tokens, labels = data.skewed_batch(0, TORCH_VALID, seq_len=48, prompt_len=4, vocab=256)
-    tok, lab = data.layout(tokens, labels, 2, 2, deal="in_order")
+    tok, lab = data.split_rows(tokens, labels, 2, 2, deal="in_order")
     assert np.array_equal(tok.reshape(8, 48), tokens)  # rank 0: rows 0-3, rank 1: rows 4-7
-    # torch_ref.testing's documented layouts of its default lengths (exact)
+    # tinygpt.torch_testing's documented layouts of its default lengths (exact)
     assert _device_units(lab, "token") == [49, 91]
     assert data.units(lab, "token").sum(-1)[0].tolist() == [49, 0]
     with pytest.raises(ValueError, match="devices \\* k = 3"):
-        data.layout(tokens, labels, 3, 1, deal="in_order")
+        data.split_rows(tokens, labels, 3, 1, deal="in_order")
 
 
 def test_split_is_proportional_and_exact():

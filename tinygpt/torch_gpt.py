@@ -15,9 +15,7 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,7 +34,6 @@ __all__ = [
     "TinyGPTConfig",
     "export_state_dict",
     "load_state_dict_numpy",
-    "one_cpu_thread",
 ]
 
 
@@ -164,20 +161,3 @@ def load_state_dict_numpy(model: TinyGPT, weights: dict[str, Any]) -> None:
     with torch.no_grad():
         for name, t in model.state_dict().items():
             t.copy_(torch.from_numpy(np.array(weights[name], copy=True)).to(t.dtype))
-
-
-@contextlib.contextmanager
-def one_cpu_thread() -> Iterator[None]:
-    """Runs the body with ``torch.set_num_threads(1)``, restoring the count after.
-
-    The tiny model is far too small for intra-op parallelism; on some hosts
-    (e.g. sandboxed 2-core VMs) OpenMP synchronization makes every op ~500x
-    slower with 2 threads than with 1. Results do not depend on it beyond
-    float32 rounding.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

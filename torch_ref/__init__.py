@@ -20,25 +20,18 @@ Modules::
     _record.py      RECORD_KEYS, SkipReason (bigbatch's vocabulary), Progress
     buggy.py        Variant, REFERENCE, VARIANTS: the bugs as data
     _loss.py        causal_lm_loss_sum, count_items
-    _scenario.py    Scenario and its settings (AdamW, SGD, WarmupCosine), ScenarioResult
-    _instrument.py  the inf injection and the DDP communication counter
-    _runner.py      run_on_rank (one rank's run) and run_scenarios (in-process launcher)
-    ddp.py          ddp.run: torch.multiprocessing ranks on 127.0.0.1, bounded in time
+    ddp.py          ddp.run: torch.multiprocessing ranks on 127.0.0.1, bounded in time;
+                    one_cpu_thread
     audit.py        audit_window, audit_hf_trainer: how YOUR loop weighs each micro-batch and
                     rank (bigbatch's fit and report; the twin of jaxaccum.audit)
-    _launch.py      python -m torch_ref under torchrun, and its .npz files
-    (the model)     tinygpt.torch_gpt, re-exported here
+
+The model is yours: any ``nn.Module`` mapping ``input_ids`` [B, T] to logits
+[B, T, V] (optionally wrapped in ``DistributedDataParallel``). Whole runs as
+data (scenarios, the torchrun launcher, the twin models) are the repository's
+parity suite, not part of this package.
 
 Public API
 ----------
-Model (``tinygpt``; the Flax twin is ``tinygpt.flax_gpt``)::
-
-    TinyGPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=4, d_model=64,
-                  layer_norm_eps=1e-5)
-    TinyGPT(config, seed=0)             # forward(input_ids [B,T] int64) -> logits [B,T,V]
-    export_state_dict(model, dtype=np.float32) -> dict[str, np.ndarray]   # torch layout
-    load_state_dict_numpy(model, weights)
-
 Loss::
 
     causal_lm_loss_sum(logits, labels, unit="token"|"sample") -> (loss_sum, num_items)
@@ -90,84 +83,44 @@ Audit (``docs/audit.md``; the report is ``bigbatch.AuditReport``, as in ``jaxacc
     audit.audit_hf_trainer(model, rows, *, k=4, world_size=1, timeout_s=300.0,
                            **training_args) -> AuditReport  # a transformers.Trainer
 
-Scenarios (the entry point of the parity tests: plain numpy in, numpy out)::
+Utilities::
 
-    window = split_window(input_ids, labels, world_size, k)   # [rank][micro] dicts
-    scenario = Scenario(
-        config=TinyGPTConfig(block_size=32),
-        weights=export_state_dict(TinyGPT(config, seed=0)),   # or the JAX side's
-        windows=[window_0, window_1, ...],                    # windows[u][r][m]
-        optimizer=AdamW(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
-        schedule=WarmupCosine(warmup_steps=2, decay_steps=10),  # optional
-        max_grad_norm=None, unit="token", precision="fp32"|"fp64"|"bf16"|"fp16",
-        empty_window="raise", bug=None,                       # or a name of buggy.VARIANTS
-        inf_microbatches=frozenset({(u, r, m)}), record_grads=False, count_comm=False)
-    results = run_scenarios([scenario, ...], device="cpu", timeout_s=300)
-    results[i].records       # one record per window
-    results[i].params        # params after each window, {name: array} (float32;
-                             # float64 for "fp64")
-    results[i].grads / .comm / .rank_records   # optional extras
+    ddp.run(world_size, fn, *args, backend="gloo", device="cpu", timeout_s=120)
+        # R torch.multiprocessing ranks (gloo on CPU, nccl on CUDA); fn(rank, world_size, *args)
+    one_cpu_thread()   # context: torch on one intra-op thread (tiny models on small hosts)
 
-World size 1 runs in-process on a plain module (inside `one_cpu_thread()`: the
-tiny model gains nothing from intra-op threads, and on small sandboxed hosts 2
-OpenMP threads make every op ~500x slower); each world size R > 1 is one launch
-of R gloo (CPU) or nccl (CUDA) processes running all its scenarios
-(``ddp.run(world_size, fn, *args, backend="gloo", device="cpu", timeout_s=120)``).
-Scripts that launch ranks need the usual ``if __name__ == "__main__":`` guard.
+Example (a tiny model: ``input_ids`` [B, T] -> logits [B, T, V])::
 
-The standard launcher runs a scenario saved to a file::
-
-    save_scenario("scenario.npz", scenario)
-    # torchrun --nproc_per_node=2 -m torch_ref scenario.npz result.npz
-    result = load_result("result.npz")         # == run_scenario(scenario)
-
-Tolerances (measured, `torch_ref.testing.skewed_batch` data, 3 AdamW updates
-at lr 1e-3, float32): the window gradient of any layout matches the big batch
-to ~3e-7 relative; parameters to ~2e-6 absolute. The parameter gap is set by
-the attention key bias, whose gradient is exactly 0 in exact arithmetic
-(softmax ignores a per-query constant) but ~1e-10 from rounding: Adam divides
-it by sqrt(v) + eps and turns it into a layout-dependent step. In float64
-("fp64") the same comparison gives ~2e-14.
+    >>> import torch, torch_ref
+    >>> _ = torch.manual_seed(0)
+    >>> model = torch.nn.Sequential(torch.nn.Embedding(32, 8), torch.nn.Linear(8, 32))
+    >>> ids = torch.randint(0, 32, (4, 6))
+    >>> labels = ids.clone()
+    >>> labels[0, 3:] = -100                          # rows of 2, 5, 5 and 5 tokens
+    >>> window = [{"input_ids": ids[:2], "labels": labels[:2]},
+    ...           {"input_ids": ids[2:], "labels": labels[2:]}]
+    >>> records = torch_ref.train(model, window, torch.optim.SGD(model.parameters(), lr=0.1), k=2)
+    >>> [(r["update_id"], r["window_items"]) for r in records]
+    [(1, 17.0)]
 """
 
-from tinygpt import TinyGPTConfig
-from tinygpt.torch_gpt import TinyGPT, export_state_dict, load_state_dict_numpy, one_cpu_thread
 from torch_ref import audit, buggy, ddp
-from torch_ref._launch import load_result, load_scenario, save_result, save_scenario
 from torch_ref._loss import IGNORE_INDEX, causal_lm_loss_sum, count_items
 from torch_ref._record import RECORD_KEYS, Progress, SkipReason
-from torch_ref._runner import run_on_rank, run_scenario, run_scenarios
-from torch_ref._scenario import SGD, AdamW, Scenario, ScenarioResult, WarmupCosine, split_window
 from torch_ref._train import train, train_update, windows_of
+from torch_ref.ddp import one_cpu_thread
 
 __all__ = [
     "IGNORE_INDEX",
     "RECORD_KEYS",
-    "SGD",
-    "AdamW",
     "Progress",
-    "Scenario",
-    "ScenarioResult",
     "SkipReason",
-    "TinyGPT",
-    "TinyGPTConfig",
-    "WarmupCosine",
     "audit",
     "buggy",
     "causal_lm_loss_sum",
     "count_items",
     "ddp",
-    "export_state_dict",
-    "load_result",
-    "load_scenario",
-    "load_state_dict_numpy",
     "one_cpu_thread",
-    "run_on_rank",
-    "run_scenario",
-    "run_scenarios",
-    "save_result",
-    "save_scenario",
-    "split_window",
     "train",
     "train_update",
     "windows_of",

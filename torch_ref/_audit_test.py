@@ -1,7 +1,7 @@
 """The torch audit recovers how torch_ref's variants, nanoGPT's loop and the HF Trainer weigh cells.
 
 Every loop runs one SGD update of a small ``TinyGPT`` on the audit's layout of
-the same rows (`torch_ref.testing.skewed_batch`: a row with ``n`` valid tokens,
+the same rows (`tinygpt.torch_testing.skewed_batch`: a row with ``n`` valid tokens,
 a masked prompt before them). The expected weights are the formulas of
 ``docs/math.md`` (``bigbatch.form_weights``); the layouts are the JAX audit's
 (``bigbatch.layout_rows``), so the items per cell are those of
@@ -18,16 +18,11 @@ import torch
 from torch.nn import functional as F
 
 import bigbatch
-from torch_ref import (
-    IGNORE_INDEX,
-    TinyGPT,
-    TinyGPTConfig,
-    buggy,
-    causal_lm_loss_sum,
-    train_update,
-)
+from tinygpt import TinyGPTConfig
+from tinygpt.torch_gpt import TinyGPT
+from tinygpt.torch_testing import skewed_batch
+from torch_ref import IGNORE_INDEX, buggy, causal_lm_loss_sum, train_update
 from torch_ref.audit import audit_hf_trainer, audit_window
-from torch_ref.testing import skewed_batch
 
 pytestmark = pytest.mark.slow  # every audit runs a loop (processes, transformers): make test only
 

@@ -103,8 +103,9 @@ def audit_window(
     Example:
       >>> import torch, torch_ref
       >>> from torch_ref.audit import audit_window
-      >>> model = torch_ref.TinyGPT(torch_ref.TinyGPTConfig(
-      ...     vocab_size=32, block_size=8, n_layer=1, n_head=2, d_model=16))
+      >>> _ = torch.manual_seed(0)
+      >>> model = torch.nn.Sequential(  # input_ids [B, T] -> logits [B, T, V]
+      ...     torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32))
       >>> ids = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
       >>> labels = ids.clone()
       >>> labels[0, 3:] = labels[1, 6:] = -100  # rows of 2, 5, 7 and 7 tokens

@@ -107,8 +107,7 @@ def train_update(
         or an empty window with ``empty_window="raise"``.
 
     Example:
-      >>> from torch_ref import TinyGPT, TinyGPTConfig
-      >>> model = TinyGPT(TinyGPTConfig(block_size=16))
+      >>> model = nn.Sequential(nn.Embedding(256, 16), nn.Linear(16, 256))  # [B,T] -> [B,T,V]
       >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
       >>> ids = torch.randint(0, 256, (2, 16))
       >>> rec = train_update(model, [{"input_ids": ids, "labels": ids}], opt)

@@ -1,6 +1,6 @@
 """train_update / train in one process: big-batch equality, records, AMP, the tail window.
 
-Gradients and deviations as in `torch_ref.testing` (``window_grad``, ``rel_l2``).
+Gradients and deviations as in `tinygpt.torch_testing` (``window_grad``, ``rel_l2``).
 """
 
 from __future__ import annotations
@@ -12,19 +12,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from torch_ref import (
-    AdamW,
-    Progress,
-    Scenario,
-    TinyGPT,
-    WarmupCosine,
-    export_state_dict,
-    run_scenarios,
-    split_window,
-    train,
-    train_update,
-)
-from torch_ref.testing import (
+from parity_tests.torch_ranks import run_scenarios
+from parity_tests.torch_scenario import AdamW, Scenario, WarmupCosine, split_window
+from tinygpt.torch_gpt import TinyGPT, export_state_dict
+from tinygpt.torch_testing import (
     CONFIG,
     LAYOUT_RTOL,
     flat_grad,
@@ -33,6 +24,7 @@ from torch_ref.testing import (
     skewed_batch,
     window_grad,
 )
+from torch_ref import Progress, train, train_update
 
 WEIGHTS = export_state_dict(TinyGPT(CONFIG, seed=0))
 

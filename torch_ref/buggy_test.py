@@ -1,6 +1,6 @@
 """The bugs of `torch_ref.buggy`, one process: each changes the update as its entry says.
 
-Gradients and deviations as in `torch_ref.testing`; the DDP bugs (local
+Gradients and deviations as in `tinygpt.torch_testing`; the DDP bugs (local
 denominator, forgotten DDP average, no_sync around backward only) are in
 ``ddp_test.py``.
 """
@@ -11,10 +11,18 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from tinygpt import torch_testing as testing
 from tinygpt.torch_gpt import TinyGPT
-from torch_ref import testing, train, train_update
+from tinygpt.torch_testing import (
+    CONFIG,
+    LAYOUT_RTOL,
+    microbatches,
+    rel_l2,
+    skewed_batch,
+    window_grad,
+)
+from torch_ref import train, train_update
 from torch_ref.buggy import REFERENCE, VARIANTS, Variant, variant
-from torch_ref.testing import CONFIG, LAYOUT_RTOL, microbatches, rel_l2, skewed_batch, window_grad
 
 
 def test_mean_of_means_deviates_on_skewed_lengths_and_logs_the_mean_of_means():

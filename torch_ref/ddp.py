@@ -11,8 +11,10 @@ The whole run is bounded by ``timeout_s``. Results travel back as pickles in a
 temporary directory (a pipe would fill up and block the rank).
 
 The standard launcher is torchrun (``python -m torch.distributed.run
---nproc_per_node=R -m torch_ref ...``, `torch_ref._launch`): the same ranks,
-from files.
+--nproc_per_node=R -m <your module>``): the same ranks, from the environment
+(``current_device`` reads ``TORCH_REF_DEVICE`` there).
+
+`one_cpu_thread` runs a block on one intra-op thread (tiny models on small hosts).
 
 Devices: ``device="cpu"`` (default, ``backend="gloo"``) or ``device="cuda"``
 (rank r uses ``cuda:(r % device_count)``; ``backend="nccl"`` with one GPU per
@@ -29,6 +31,7 @@ Example (``torch_ref/ddp_test.py`` runs one like it on two gloo ranks)::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import os
@@ -36,7 +39,7 @@ import pickle
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -59,6 +62,23 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def one_cpu_thread() -> Iterator[None]:
+    """Runs the body with ``torch.set_num_threads(1)``, restoring the count after.
+
+    A tiny model is far too small for intra-op parallelism; on some hosts
+    (e.g. sandboxed 2-core VMs) OpenMP synchronization makes every op ~500x
+    slower with 2 threads than with 1. Results do not depend on it beyond
+    float32 rounding.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def current_device() -> torch.device:

@@ -1,8 +1,8 @@
 """Real multi-process DDP (gloo on 127.0.0.1): layouts, DDP bugs, communication.
 
-All scenarios run in ONE `run_scenarios` call (module fixture): world size 1
-in this process, one launch of 2 ranks and one of 4 ranks for everything else.
-Data: `torch_ref.testing.skewed_batch` (valid labels 2, 47, 0, 0, 30, 1, 20,
+All scenarios (``parity_tests.torch_scenario``) run in ONE `run_scenarios` call
+(module fixture): world size 1 in this process, one launch of 2 ranks and one
+of 4 ranks for everything else. Data: `tinygpt.torch_testing.skewed_batch` (valid labels 2, 47, 0, 0, 30, 1, 20,
 40 per sample): in layout (4, 1) the ranks hold 49, 0, 31, 60 tokens, in
 (2, 2) they hold 49 and 91, and rank 0's second micro-batch is empty.
 """
@@ -15,19 +15,12 @@ import time
 import numpy as np
 import pytest
 
-from torch_ref import (
-    SGD,
-    AdamW,
-    Scenario,
-    TinyGPT,
-    TinyGPTConfig,
-    WarmupCosine,
-    ddp,
-    export_state_dict,
-    run_scenarios,
-    split_window,
-)
-from torch_ref.testing import skewed_batch
+from parity_tests.torch_ranks import run_scenarios
+from parity_tests.torch_scenario import SGD, AdamW, Scenario, WarmupCosine, split_window
+from tinygpt import TinyGPTConfig
+from tinygpt.torch_gpt import TinyGPT, export_state_dict
+from tinygpt.torch_testing import skewed_batch
+from torch_ref import ddp
 
 pytestmark = pytest.mark.slow  # real processes: 2- and 4-rank launches
 

@@ -112,7 +112,7 @@ def main() -> int:
     for _ in range(UPDATES):
         tokens, labels = data.skewed_batch(rng, rows=16, seq_len=64)
         big = big_batch_step(big, tokens, labels)
-        tok, lab = data.layout(tokens, labels, devices=1, k=K)
+        tok, lab = data.split_rows(tokens, labels, devices=1, k=K)
         for m in range(K):
             accum = accum_step(accum, tok[0, m], lab[0, m])
         metrics = jaxaccum.window_metrics(accum.opt_state)

@@ -5,7 +5,7 @@
 
 The data are SFT-style samples cut from ``tinygpt/corpus.txt``: a prompt
 (labels -100) and a response of very unequal length (0 to 59 valid tokens),
-16 samples per update, laid out by ``tinygpt.data.layout`` over 4 devices and
+16 samples per update, laid out by ``tinygpt.data.split_rows`` over 4 devices and
 k = 4 micro-batches (every device a different number of valid tokens; the samples
 without one make the last micro-batch of the last device). Three pipelines start from the same weights,
 see the same samples and use the same optimizer (AdamW, warmup-cosine learning
@@ -181,7 +181,7 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
         for _ in range(s.updates)
     ]
     windows = [  # [devices, k, mb, T]: micro-batch m of every device is one global batch
-        data.layout(tokens, labels, devices=DEVICES, k=s.k) for tokens, labels in big_batches
+        data.split_rows(tokens, labels, devices=DEVICES, k=s.k) for tokens, labels in big_batches
     ]
     mesh = jax.make_mesh((DEVICES,), ("data",))  # Explicit axes: JAX's default
 

@@ -1,10 +1,10 @@
-"""torch_ref's test toolkit: skewed-length data, micro-batches, window gradients.
+"""The torch tests' toolkit: skewed-length data, micro-batches, window gradients.
 
 `skewed_batch` builds a global batch whose samples hold very different numbers
 of valid (shifted) labels, with masked prompts, right padding, and samples with
 no label at all, so that every wrong normalization shows up (the project's one
 generator, ``tinygpt.data.skewed_batch``; `microbatches` cuts it with
-``tinygpt.data.layout(..., deal="in_order")``). With the default lengths and 8 samples:
+``tinygpt.data.split_rows(..., deal="in_order")``). With the default lengths and 8 samples:
 
     valid labels per sample   2, 47, 0, 0, 30, 1, 20, 40      (N = 140)
     layout (world 4, k 1)     ranks hold 49, 0, 31, 60        (one rank empty)
@@ -27,7 +27,7 @@ import torch
 from tinygpt import TinyGPTConfig, data
 from tinygpt.data import IGNORE_INDEX  # noqa: F401 - re-exported for the tests
 from tinygpt.torch_gpt import TinyGPT
-from torch_ref._train import train_update
+from torch_ref import train_update
 
 CONFIG = TinyGPTConfig(block_size=48)  # the tests' model; skewed_batch's default seq_len is 48
 # Same-data different-layout window gradients agree to ~1e-7 relative (float32
@@ -42,7 +42,7 @@ def skewed_batch(
     seq_len: int = 48,
     vocab_size: int = 256,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``tinygpt.data.skewed_batch`` with torch_ref's settings: the given valid-label
+    """``tinygpt.data.skewed_batch`` with the torch tests' settings: the given valid-label
     counts, a prompt of ``min(4, seq_len - valid[i])`` tokens (position 0 and up to 3
     more, label -100), ids from ``[1, vocab_size)``, int64 ``[len(valid), seq_len]``."""
     return data.skewed_batch(
@@ -54,7 +54,7 @@ def microbatches(
     input_ids: np.ndarray, labels: np.ndarray, k: int
 ) -> list[dict[str, torch.Tensor]]:
     """One rank's window: the batch cut into k consecutive micro-batches, as tensors."""
-    tokens, labels = data.layout(input_ids, labels, 1, k, deal="in_order")  # [1, k, mb, T]
+    tokens, labels = data.split_rows(input_ids, labels, 1, k, deal="in_order")  # [1, k, mb, T]
     return [
         {
             "input_ids": torch.from_numpy(t.astype(np.int64)),

@@ -1,18 +1,21 @@
-"""Runs scenarios: one rank's run (`run_on_rank`) and the in-process launcher (`run_scenarios`).
+"""Torch runs: one rank's run (`run_on_rank`) and the in-process launcher (`run_scenarios`).
 
-`run_on_rank` is the whole run of one `Scenario` on one rank: it builds the
-model, the optimizer, the schedule and the GradScaler the scenario describes,
-attaches the instruments (`torch_ref._instrument`), and calls `train_update`
-once per window. Two launchers call it:
+`run_on_rank` is the whole run of one `parity_tests.torch_scenario.Scenario` on
+one rank: it builds the model (``tinygpt.torch_gpt``), the optimizer, the
+schedule and the GradScaler the scenario describes, attaches the instruments
+(``parity_tests.torch_instrument``), and calls `torch_ref.train_update` once per
+window. Two launchers call it:
 
-* `run_scenarios`: world size 1 in this process on a plain module; each world
-  size R > 1 in R ``torch.multiprocessing`` ranks (`torch_ref.ddp.run`), one
-  launch for all the scenarios of that world size;
-* ``torchrun --nproc_per_node=R -m torch_ref`` (`torch_ref._launch`), the
-  standard launcher, from and to files.
+* `run_scenarios`: world size 1 in this process on a plain module (inside
+  ``torch_ref.one_cpu_thread()``); each world size R > 1 in R
+  ``torch.multiprocessing`` ranks (`torch_ref.ddp.run`: gloo on CPU, nccl on
+  CUDA), one launch for all the scenarios of that world size (scripts that
+  launch ranks need the usual ``if __name__ == "__main__":`` guard);
+* ``torchrun --nproc_per_node=R -m parity_tests.torch_launch`` (the standard
+  launcher, from and to files).
 
 Both run the same function on the same ranks, so they give the same records
-and parameters (``_launch_test.py``).
+and parameters (``torch_launch_test.py``).
 """
 
 from __future__ import annotations
@@ -24,13 +27,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from tinygpt.torch_gpt import TinyGPT, load_state_dict_numpy, one_cpu_thread
-from torch_ref import buggy, ddp
-from torch_ref._instrument import WindowProbe
-from torch_ref._record import Progress
-from torch_ref._scenario import SGD, AdamW, Scenario, ScenarioResult
+from parity_tests.torch_instrument import WindowProbe
+from parity_tests.torch_scenario import SGD, AdamW, Scenario, ScenarioResult
+from tinygpt.torch_gpt import TinyGPT, load_state_dict_numpy
+from torch_ref import Progress, buggy, ddp, train_update
 from torch_ref._steps import Microbatch
-from torch_ref._train import train_update
+from torch_ref.ddp import one_cpu_thread
 
 AUTOCAST = {"fp32": None, "fp64": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -16,22 +16,20 @@ import sys
 import numpy as np
 import pytest
 
-from torch_ref import (
-    AdamW,
-    Scenario,
-    TinyGPT,
-    WarmupCosine,
-    ddp,
-    export_state_dict,
+pytest.importorskip("torch", reason="needs torch: no CPU build for this Python here")
+
+from parity_tests.torch_launch import (  # noqa: E402
     load_result,
     load_scenario,
-    run_scenario,
+    main,
     save_result,
     save_scenario,
-    split_window,
 )
-from torch_ref._launch import main
-from torch_ref.testing import CONFIG, skewed_batch
+from parity_tests.torch_ranks import run_scenario  # noqa: E402
+from parity_tests.torch_scenario import AdamW, Scenario, WarmupCosine, split_window  # noqa: E402
+from tinygpt.torch_gpt import TinyGPT, export_state_dict  # noqa: E402
+from tinygpt.torch_testing import CONFIG, skewed_batch  # noqa: E402
+from torch_ref import ddp  # noqa: E402
 
 WEIGHTS = export_state_dict(TinyGPT(CONFIG, seed=0))
 TORCHRUN_TIMEOUT_S = 240  # start-up (~10 s of CPU per rank on 2 cores) plus 2 tiny windows
@@ -52,7 +50,12 @@ def _max_param_gap(a, b) -> float:
 def _torchrun(args: list[str]) -> str:
     """Runs torchrun with ``args``; its output. Kills its whole process group on a timeout."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
-    cmd += ["--master_addr=127.0.0.1", f"--master_port={ddp.free_port()}", "-m", "torch_ref"]
+    cmd += [
+        "--master_addr=127.0.0.1",
+        f"--master_port={ddp.free_port()}",
+        "-m",
+        "parity_tests.torch_launch",
+    ]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         cmd + args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -91,7 +94,8 @@ def test_torchrun_gives_the_in_process_records_and_parameters(tmp_path):
 
 @pytest.mark.slow  # runs a scenario (> 1 s): make test, not test-fast
 def test_files_round_trip_without_a_process_group(tmp_path):
-    """World size 1: ``python -m torch_ref`` runs in the calling process; NaN survives the file."""
+    """World size 1: ``python -m parity_tests.torch_launch`` runs in the calling process;
+    NaN survives the file."""
     scenario = _scenario(1, grad_scaler=True, bug="mean_of_means", empty_window="skip",
                          inf_microbatches=frozenset({(1, 0, 1)}))  # fmt: skip
     save_scenario(tmp_path / "scenario.npz", scenario)

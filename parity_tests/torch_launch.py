@@ -1,15 +1,16 @@
-"""The standard launcher: ``torchrun -m torch_ref SCENARIO.npz RESULT.npz``, and its files.
+"""The standard launcher: ``torchrun -m parity_tests.torch_launch SCENARIO.npz RESULT.npz``.
 
 A caller saves a `Scenario` (`save_scenario`), launches the ranks the usual way::
 
-    torchrun --nproc_per_node=2 -m torch_ref scenario.npz result.npz
-    python -m torch.distributed.run --nproc_per_node=2 -m torch_ref scenario.npz result.npz
-    python -m torch_ref scenario.npz result.npz          # world size 1, no process group
+    torchrun --nproc_per_node=2 -m parity_tests.torch_launch scenario.npz result.npz
+    python -m torch.distributed.run --nproc_per_node=2 -m parity_tests.torch_launch \
+        scenario.npz result.npz
+    python -m parity_tests.torch_launch scenario.npz result.npz  # world size 1, no group
 
 and reads the `ScenarioResult` back (`load_result`). Every rank runs
-`torch_ref._runner.run_on_rank`, the function the in-process launcher
-(`torch_ref.run_scenarios`) runs; rank 0 gathers every rank's records and writes
-the file. The process group comes from torchrun's environment (``RANK``,
+`parity_tests.torch_ranks.run_on_rank`, the function the in-process launcher
+(`parity_tests.torch_ranks.run_scenarios`) runs; rank 0 gathers every rank's
+records and writes the file. The process group comes from torchrun's environment (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ...).
 
 Files are ``.npz`` without pickles: the arrays (weights, micro-batches,
@@ -32,11 +33,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from parity_tests.torch_ranks import run_on_rank
+from parity_tests.torch_scenario import SGD, AdamW, Scenario, ScenarioResult, WarmupCosine
 from tinygpt import TinyGPTConfig
-from tinygpt.torch_gpt import one_cpu_thread
 from torch_ref import ddp
-from torch_ref._runner import run_on_rank
-from torch_ref._scenario import SGD, AdamW, Scenario, ScenarioResult, WarmupCosine
+from torch_ref.ddp import one_cpu_thread
 
 _KEYS = ("input_ids", "labels")
 
@@ -138,8 +139,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
       0 (an error raises, and torchrun reports the failing rank).
     """
-    parser = argparse.ArgumentParser(prog="python -m torch_ref", description=main.__doc__)
-    parser.add_argument("scenario", help="a file written by torch_ref.save_scenario")
+    parser = argparse.ArgumentParser(
+        prog="python -m parity_tests.torch_launch", description=main.__doc__
+    )
+    parser.add_argument("scenario", help="a file written by save_scenario")
     parser.add_argument("result", help="where rank 0 writes the ScenarioResult (.npz)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--backend", default=None, help="default: gloo on CPU, nccl on CUDA")
@@ -169,3 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result.rank_records = every_rank
         save_result(args.result, result)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
