@@ -43,7 +43,13 @@ from bigbatch._forms import (
     checkable_forms,
     form_weights,
 )
-from bigbatch._invariance import INVARIANCE_RTOL, InvarianceReport, invariance_report
+from bigbatch._invariance import (
+    INVARIANCE_RTOL,
+    InvarianceReport,
+    check_cuts,
+    invariance_report,
+    row_items_of,
+)
 from bigbatch._layout import CellLayout, first_labels_of, layout_rows, tail_microbatches
 from bigbatch._products import CELL_MEMORY, CellProducts, cell_products
 from bigbatch._records import IGNORE_INDEX, RECORD_KEYS, SkipReason
@@ -80,10 +86,12 @@ __all__ = [
     "check_sums",
     "check_window",
     "cell_products",
+    "check_cuts",
     "checkable_forms",
     "first_labels_of",
     "form_weights",
     "invariance_report",
     "layout_rows",
+    "row_items_of",
     "tail_microbatches",
 ]

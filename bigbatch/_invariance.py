@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from bigbatch._fit import MAX_CONDITION, RESIDUAL_RTOL
 from bigbatch._products import dot, stream_products
+from bigbatch._records import IGNORE_INDEX
 
 INVARIANCE_RTOL = 1e-5
 """The largest relative difference of an invariant update from the one-batch one: float32
@@ -182,3 +184,48 @@ def invariance_report(
 def _distance(a: Leaves, b: Leaves) -> float:
     """``|a - b|`` over every leaf, in float64."""
     return math.sqrt(math.fsum(float(np.sum(np.square(x - y))) for x, y in zip(a, b, strict=True)))
+
+
+def check_cuts(cuts: Any, rows: int) -> list[tuple[int, int]]:
+    """``cuts`` as ``(k, R)`` pairs of ints >= 1 whose ``k R`` divides the rows (every cut
+    uses every row); raises a ``ValueError`` naming ``cuts`` otherwise.
+
+    Example:
+      >>> check_cuts([(2, 1), (2, 2)], rows=8)
+      [(2, 1), (2, 2)]
+    """
+    pairs = list(cuts) if isinstance(cuts, Sequence) else []
+    ok = bool(pairs) and all(
+        isinstance(c, Sequence) and len(c) == 2 and all(isinstance(x, int) and x >= 1 for x in c)
+        for c in pairs
+    )
+    if not ok:
+        raise ValueError(
+            f"cuts: expected a non-empty list of (k, R) pairs of ints >= 1, got {cuts!r}"
+        )
+    for k, ranks in pairs:
+        if rows % (k * ranks):
+            raise ValueError(
+                f"cuts: the cut k={k} x R={ranks} needs a multiple of {k * ranks} rows (every cut"
+                f" uses every row); the batch has {rows}"
+            )
+    return [(int(k), int(ranks)) for k, ranks in pairs]
+
+
+def row_items_of(batch: Any, row_items: Any, rows: int) -> np.ndarray:
+    """The items of each row: ``row_items`` if given, else the targets of ``batch["labels"]``
+    after the causal shift (``labels[:, 1:] != -100``), else one per row; checked.
+
+    Example:
+      >>> row_items_of({"labels": np.array([[1, 2, -100], [3, -100, -100]])}, None, rows=2)
+      array([1., 0.])
+    """
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if row_items is None and labels is not None and np.ndim(labels) == 2:
+        row_items = np.sum(np.asarray(labels)[:, 1:] != IGNORE_INDEX, axis=1)
+    items = np.ones(rows) if row_items is None else np.asarray(row_items, np.float64)
+    if items.shape != (rows,) or not np.all(np.isfinite(items)) or np.any(items < 0):
+        raise ValueError(
+            f"row_items: expected {rows} finite, non-negative items (one per row), got {items!r}"
+        )
+    return items

@@ -218,32 +218,34 @@ def _content(report: AuditReport) -> tuple[str, list[list[str]], list[str], list
     return header, table, remarks, _notes(report)
 
 
+def _unknown_because(report: AuditReport) -> str:
+    """What an ``unknown`` verdict most likely means, from the fit's numbers."""
+    if not report.finite:
+        empty = ", ".join(_cell_name(report, r, m) for r, m in report.empty_cells) or "none"
+        return (
+            "the update has NaN or inf: a division by the items of a cell without any? (cells"
+            f" without items: {empty}); with rows that all have items the weights can be fitted"
+        )
+    if report.residual > report.residual_tolerance:
+        return (
+            "a different optimizer than the `optimizer` handed to your code (e.g. Adam),"
+            " clipping or normalizing elementwise, weight decay, noise; the weights above"
+            " are only the closest fit"
+        )
+    if not report.moved:
+        return "no update: an accumulator still waiting for micro-batches gives none"
+    closest = min(report.form_errors, key=report.form_errors.get)
+    return (
+        f"a reweighting, but of no known form (closest: {closest}, off by"
+        f" {report.form_errors[closest]:.1%}): e.g. each micro-batch clipped by its norm, or a"
+        " loss other than the reference one"
+    )
+
+
 def _notes(report: AuditReport) -> list[str]:
+    verdict = f"verdict: {report.verdict}: {WHAT_IT_DOES.get(report.verdict, '')}"
     if report.verdict == UNKNOWN:
-        if not report.finite:
-            empty = ", ".join(_cell_name(report, r, m) for r, m in report.empty_cells) or "none"
-            what = (
-                "the update has NaN or inf: a division by the items of a cell without any? (cells"
-                f" without items: {empty}); with rows that all have items the weights can be fitted"
-            )
-        elif report.residual > report.residual_tolerance:
-            what = (
-                "a different optimizer than the `optimizer` handed to your code (e.g. Adam),"
-                " clipping or normalizing elementwise, weight decay, noise; the weights above"
-                " are only the closest fit"
-            )
-        elif not report.moved:
-            what = "no update: an accumulator still waiting for micro-batches gives none"
-        else:
-            closest = min(report.form_errors, key=report.form_errors.get)
-            what = (
-                "a reweighting, but of no known form (closest: "
-                f"{closest}, off by {report.form_errors[closest]:.1%}): e.g. each micro-batch"
-                " clipped by its norm, or a loss other than the reference one"
-            )
-        verdict = f"verdict: unknown: {what}"
-    else:
-        verdict = f"verdict: {report.verdict}: {WHAT_IT_DOES[report.verdict]}"
+        verdict = f"verdict: unknown: {_unknown_because(report)}"
     forms = " | ".join(
         f"{name} {error:.1e}" + (" (match)" if name in report.matches else "")
         for name, error in report.form_errors.items()

@@ -19,14 +19,14 @@ import pytest
 
 import bigbatch
 import jaxaccum
+from bigbatch import IGNORE_INDEX
+from testkit import audited_loops as loops
 from testkit import (
-    IGNORE_INDEX,
     standard_numerics,
     tiny_lm_logits,
     tiny_lm_loss,
     tiny_lm_params,
 )
-from testkit import audited_loops as loops
 from testkit.audited_loops import sgd_step, tree_sum
 
 pytestmark = pytest.mark.slow  # every audit runs and differentiates a loop: make test only

@@ -41,7 +41,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from testkit import IGNORE_INDEX, tiny_lm_loss, tiny_lm_params
+from bigbatch import IGNORE_INDEX
+from testkit import tiny_lm_loss, tiny_lm_params
 
 pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 

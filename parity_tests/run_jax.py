@@ -35,10 +35,11 @@ import optax
 
 import jaxaccum
 import testkit
+from bigbatch import IGNORE_INDEX
 from parity_tests import jax_model, jax_optim
 from parity_tests.compare import Run
 from parity_tests.scenarios import Case
-from tinygpt.data import IGNORE_INDEX, PAD_TOKEN
+from tinygpt.data import PAD_TOKEN
 from tinygpt.weights import to_torch_layout
 
 

@@ -91,8 +91,6 @@ def assert_trees_close(a: Any, b: Any, *, atol: float, rtol: float = 0.0, reason
 
 # -- The tiny LM of the unit tests: embed -> tanh -> projection to the vocabulary.
 
-IGNORE_INDEX = -100
-
 
 def tiny_lm_params(vocab: int = 13, hidden: int = 8, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)

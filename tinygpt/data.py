@@ -33,7 +33,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-IGNORE_INDEX = -100
+from bigbatch import IGNORE_INDEX
+
 PAD_TOKEN = 0
 UNITS = ("token", "sample")
 DEALS = ("skewed", "empty_device", "in_order")

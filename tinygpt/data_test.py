@@ -8,8 +8,9 @@ import itertools
 import numpy as np
 import pytest
 
+from bigbatch import IGNORE_INDEX
 from tinygpt import data
-from tinygpt.data import IGNORE_INDEX, PAD_TOKEN
+from tinygpt.data import PAD_TOKEN
 
 LAYOUTS = list(itertools.product((1, 2, 4), (1, 2, 4)))
 TORCH_VALID = (2, 47, 0, 0, 30, 1, 20, 40)  # tinygpt.torch_testing's default lengths (N = 140)

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from tinygpt import TinyGPTConfig, data
-from tinygpt.data import IGNORE_INDEX  # noqa: F401 - re-exported for the tests
 from tinygpt.torch_gpt import TinyGPT
 from torch_ref import train_update
 

@@ -20,7 +20,6 @@ from torch_ref._audit_window import (
     _window_here,
     _window_on_ranks,
 )
-from torch_ref._loss import count_items
 
 DEFAULT_CUTS = ((2, 1), (4, 1), (2, 2), (4, 2))
 """``(k, R)``: micro-batches per rank, ranks."""
@@ -82,7 +81,7 @@ def audit_invariance(
     items = _items(loss_fn, model, batch, row_items)
     layouts = [
         bigbatch.layout_rows(items, k=k, num_devices=ranks)
-        for k, ranks in _check_cuts(cuts, items.size)
+        for k, ranks in bigbatch.check_cuts(cuts, items.size)
     ]
     run = functools.partial(_update, window_fn, learning_rate, timeout_s, model, batch, params)
     one_batch = run(bigbatch.layout_rows(items, k=1, num_devices=1))
@@ -109,41 +108,11 @@ def _update(window_fn, lr, timeout_s, model, batch, params, layout) -> list[np.n
 
 
 def _items(loss_fn, model, batch: Batch, row_items) -> np.ndarray:
-    """The items of each row: ``loss_fn``'s, ``row_items``, or the labels' (after the shift)."""
+    """The items of each row: ``loss_fn``'s, else ``bigbatch.row_items_of``'s."""
     rows = next(iter(batch.values())).shape[0]
     if loss_fn is not None:
         _check_callable(loss_fn, "loss_fn")
         with torch.no_grad():
-            items = [_loss_values(loss_fn, model, _rows(batch, [i]))[1] for i in range(rows)]
-    elif row_items is not None:
-        items = row_items
-    elif "labels" in batch and batch["labels"].dim() == 2:
-        items = [count_items(batch["labels"][i : i + 1], "token") for i in range(rows)]
-    else:
-        items = np.ones(rows)
-    items = np.asarray(items, np.float64)
-    if items.shape != (rows,) or not np.all(np.isfinite(items)) or np.any(items < 0):
-        raise ValueError(
-            f"row_items: expected {rows} finite, non-negative items (one per row), got {items!r}"
-        )
-    return items
-
-
-def _check_cuts(cuts: Any, rows: int) -> list[tuple[int, int]]:
-    """``cuts`` as ``(k, R)`` pairs of positive ints whose ``k R`` divides the rows."""
-    pairs = list(cuts) if isinstance(cuts, Sequence) else []
-    ok = bool(pairs) and all(
-        isinstance(c, Sequence) and len(c) == 2 and all(isinstance(x, int) and x >= 1 for x in c)
-        for c in pairs
-    )
-    if not ok:
-        raise ValueError(
-            f"cuts: expected a non-empty list of (k, R) pairs of ints >= 1, got {cuts!r}"
-        )
-    for k, ranks in pairs:
-        if rows % (k * ranks):
-            raise ValueError(
-                f"cuts: the cut k={k} x R={ranks} needs a multiple of {k * ranks} rows (every cut"
-                f" uses every row); the batch has {rows}"
-            )
-    return [(int(k), int(ranks)) for k, ranks in pairs]
+            row_items = [_loss_values(loss_fn, model, _rows(batch, [i]))[1] for i in range(rows)]
+    labels = {"labels": batch["labels"].cpu().numpy()} if "labels" in batch else {}
+    return bigbatch.row_items_of(labels, row_items, rows)

@@ -1,0 +1,115 @@
+"""`jaxaccum.audit.audit_invariance`: is your JAX loop's update the same for every cut?"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+import bigbatch
+from jaxaccum._audit_window import (
+    LossFn,
+    WindowFn,
+    _cell_grad,
+    _check_params,
+    _num_rows,
+    _row_values,
+)
+from jaxaccum._audit_window import _update as _update_on
+
+DEFAULT_CUTS = ((2, 1), (4, 1), (2, 2), (4, 2))
+"""``(k, R)``: micro-batches per device, devices."""
+
+
+def audit_invariance(
+    window_fn: WindowFn,
+    params: Any,
+    batch: Any,
+    *,
+    cuts: Sequence[tuple[int, int]] = DEFAULT_CUTS,
+    loss_fn: LossFn | None = None,
+    row_items: Sequence[float] | None = None,
+    learning_rate: float = 1.0,
+    progress: bool = True,
+) -> bigbatch.InvarianceReport:
+    """Runs your loop for one SGD update on the same rows, cut several ways, and compares.
+
+    .. math::
+
+       \\mathrm{difference} = \\frac{|\\delta_{k,R} - \\delta_{1,1}|}{|\\delta_{1,1}|}
+
+    The one-batch run (``k = 1``, one device) is the reference, whatever your
+    objective is: a loop is invariant when every cut gives its update
+    (``bigbatch.INVARIANCE_RTOL``). Each cut lays the rows out as
+    :func:`audit_window` does (``bigbatch.layout_rows``).
+
+    Args:
+      window_fn: your code for ONE optimizer update, as in :func:`audit_window`:
+        ``window_fn(params, microbatches, optimizer) -> new_params``, each
+        micro-batch global over the cut's ``R`` devices (device ``r`` owns the
+        ``r``-th contiguous slice of its rows).
+      params: the parameters (a pytree of float arrays).
+      batch: the rows, a pytree with a leading row axis; their number must be a
+        multiple of ``k R`` for every cut.
+      cuts: ``(k, R)`` pairs: micro-batches per device and devices.
+      loss_fn: optional ``loss_fn(params, batch) -> (loss_sum, num_items)``, a sum
+        over rows: the rows' items, and their gradients for the weights.
+      row_items: the items of each row, when there is no ``loss_fn`` (default:
+        ``batch["labels"][:, 1:] != -100`` per row, else one per row).
+      learning_rate: the SGD learning rate handed to your code.
+      progress: a progress bar while the rows' gradients are computed.
+
+    Returns:
+      A ``bigbatch.InvarianceReport`` (``invariant``, ``worst``, ``breaking``,
+      ``differences``, and with ``loss_fn`` the rows' ``weights`` relative to
+      the one-batch run); ``print(report)`` shows the table.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxaccum
+      >>> rng = np.random.default_rng(0)
+      >>> tokens = np.array([0, 1, 1, 2, 3, 5, 8, 12])  # valid tokens per row
+      >>> batch = {"x": rng.normal(size=(8, 12, 6)).astype(np.float32),
+      ...          "y": rng.normal(size=(8, 12)).astype(np.float32),
+      ...          "mask": (np.arange(12) < tokens[:, None]).astype(np.float32)}
+      >>> def loss_fn(params, batch):  # a SUM over valid tokens, and their count
+      ...     err = (batch["x"] @ params["w"] - batch["y"]) ** 2
+      ...     return jnp.sum(err * batch["mask"]), jnp.sum(batch["mask"])
+      >>> def jaxaccum_window(params, microbatches, optimizer):  # sums, divided once
+      ...     tx, state = jaxaccum.multi_steps(optimizer, len(microbatches)), None
+      ...     state = tx.init(params)
+      ...     for mb in microbatches:
+      ...         (loss_sum, n), grads = jaxaccum.value_and_grad(loss_fn)(params, mb)
+      ...         updates, state = tx.update(grads, state, params, num_items=n)
+      ...         params = optax.apply_updates(params, updates)
+      ...     return params
+      >>> report = jaxaccum.audit.audit_invariance(
+      ...     jaxaccum_window, {"w": jnp.ones(6)}, batch, cuts=[(2, 1), (4, 1)],
+      ...     loss_fn=loss_fn, progress=False)
+      >>> report.invariant, report.worst < 1e-5
+      (True, True)
+    """
+    _check_params(params)
+    batch = jax.tree.map(lambda x: x if hasattr(x, "shape") else np.asarray(x), batch)
+    rows = _num_rows(batch)
+    if loss_fn is not None:
+        row_items = np.asarray(_row_values(loss_fn, params, batch)[1])
+    items = bigbatch.row_items_of(batch, row_items, rows)
+    layouts = [
+        bigbatch.layout_rows(items, k=k, num_devices=ranks)
+        for k, ranks in bigbatch.check_cuts(cuts, rows)
+    ]
+    run = functools.partial(_update_on, window_fn, params, batch, learning_rate=learning_rate)
+    one_batch = run(layout=bigbatch.layout_rows(items, k=1, num_devices=1))
+    updates = [run(layout=layout) for layout in layouts]
+    row_grad = None
+    if loss_fn is not None:
+        row_grad = lambda i: _cell_grad(
+            loss_fn, params, jax.tree.map(lambda x: x[i : i + 1], batch)
+        )
+    names = [f"k={layout.k} x R={layout.num_devices}" for layout in layouts]
+    return bigbatch.invariance_report(
+        names, one_batch, updates, row_items=items, row_grad=row_grad, progress=progress
+    )
