@@ -23,7 +23,7 @@ endef
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[torch,flax,hf,test]'
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[torch,flax,hf,trl,test]'
 	$(call repository_on_path,$(PY))
 	touch $(STAMP)
 
