@@ -51,7 +51,13 @@ from bigbatch._invariance import (
     row_items_of,
 )
 from bigbatch._layout import CellLayout, first_labels_of, layout_rows, tail_microbatches
-from bigbatch._products import CELL_MEMORY, CellProducts, cell_products
+from bigbatch._products import (
+    CELL_MEMORY,
+    CellProducts,
+    cell_products,
+    parameter_change,
+    stream_products,
+)
 from bigbatch._records import IGNORE_INDEX, RECORD_KEYS, SkipReason
 from bigbatch._report import UNKNOWN, AuditReport
 
@@ -92,6 +98,8 @@ __all__ = [
     "form_weights",
     "invariance_report",
     "layout_rows",
+    "parameter_change",
     "row_items_of",
+    "stream_products",
     "tail_microbatches",
 ]

@@ -218,12 +218,12 @@ def audit_update(
 
     .. math::
 
-       w = \\frac{1}{N} + A^{-1} G^T d, \\qquad
-       \\mathrm{residual} = \\frac{\\sqrt{|d|^2 - d^T G A^{-1} G^T d}}{|\\delta / lr|}
+       w = A^{-1} G^T t, \\qquad
+       \\mathrm{residual} = \\frac{\\sqrt{|t|^2 - t^T G A^{-1} G^T t}}{|t|},
+       \\qquad t = -\\delta / lr
 
     the least-squares weights of ``-delta / lr = G w + e`` over the cells with
-    items, from the products of :func:`cell_products` (``A = G^T G``, ``d`` the
-    update's deviation from the big batch's); the verdict is the first form of
+    items, from the products of :func:`cell_products` (``A = G^T G``); the verdict is the first form of
     ``check_layout(layout)`` whose weights are within ``WEIGHT_RTOL`` of
     ``w N`` in every such cell, provided the residual is at most
     ``RESIDUAL_RTOL``, else ``"unknown"``.
@@ -271,7 +271,7 @@ def audit_update(
         residual=residual,
         scale=float(np.sum(layout.items[full] * weights[full]) / total),
         max_weight_error=errors[EXACT],
-        update_error=products.deviation_norm / big_batch,
+        update_error=_update_error(products, total, big_batch),
         form_errors=errors,
         matches=matches,
         k=layout.k,
@@ -306,15 +306,33 @@ def _fit(products: CellProducts, items: np.ndarray) -> tuple[np.ndarray, float]:
     """
     weights = np.full(items.shape, np.nan)
     cell = tuple(products.cells.T)
-    if not math.isfinite(products.deviation_norm):
+    if not math.isfinite(products.update_norm):
         return weights, math.inf
     if products.update_norm == 0:
         weights[cell] = 0.0
         return weights, 0.0
-    shift = np.linalg.solve(products.gram, products.deviation)  # w - 1/N
-    weights[cell] = 1.0 + float(items.sum()) * shift
-    unexplained = products.deviation_norm**2 - float(products.deviation @ shift)
+    total = float(items.sum())
+    # w - 1/N from the deviation's products G^T d = G^T t - A 1/N: the fit's shift from the
+    # big batch, exact where the loop is (no cancellation against 1/N)
+    shift = np.linalg.solve(products.gram, _deviation(products, total))
+    weights[cell] = 1.0 + total * shift
+    unexplained = products.update_norm**2 - float(products.to_update @ (shift + 1.0 / total))
     return weights, math.sqrt(max(unexplained, 0.0)) / products.update_norm
+
+
+def _deviation(products: CellProducts, total: float) -> np.ndarray:
+    """``G^T d`` for the update's deviation from the big batch, ``d = t - sum_c G_c / N``."""
+    return products.to_update - products.gram.sum(axis=1) / total
+
+
+def _update_error(products: CellProducts, total: float, big_batch: float) -> float:
+    """``|d| / |sum_c G_c / N|``: the update's distance to the big batch's, relative."""
+    deviation_sq = (
+        products.update_norm**2
+        - 2.0 * float(products.to_update.sum()) / total
+        + float(products.gram.sum()) / total**2
+    )
+    return math.sqrt(max(deviation_sq, 0.0)) / big_batch
 
 
 def _form_error(weights: np.ndarray, layout: CellLayout, name: str) -> float:

@@ -1,24 +1,20 @@
 """What the audit's fit needs from the cells' gradients, in memory that does not grow with cells.
 
 The fit (``_fit.py``) has one unknown per cell, so it needs inner products
-only: the Gram matrix ``A = G^T G`` of the cells' gradients and ``G^T d``, ``|d|``
-for the loop's deviation from the big batch
-
-    d = -update / lr - sum_c G_c / N        (zero for a loop that is the big batch)
-
-:func:`cell_products` streams the cells' gradients: it holds ``d`` (float64,
-built in place from the update) and as many gradients as ``CELL_MEMORY``
-allows, at least one; a gradient that cannot stay is computed again for the
-products it still owes. Memory: ``8 P`` bytes for ``d`` plus ``4 P`` per held
-float32 gradient, whatever the number of cells; time: ``C`` gradients when all
-fit, ``C (C + 1) / 2`` when one does.
+only: the Gram matrix ``A = G^T G`` of the cells' gradients, their products
+``b = G^T t`` with the loop's update as a gradient (``t = -update / lr``) and
+``|t|``. :func:`cell_products` streams the cells' gradients: it holds as many
+as ``CELL_MEMORY`` allows, at least one, and computes again a gradient that
+cannot stay for the products it still owes. Memory: the update (in the
+parameters' dtype) and ``4 P`` bytes per held float32 gradient, whatever the
+number of cells; time: ``C`` gradients when all fit, ``C (C + 1) / 2`` when one
+does.
 
 Precision: the products of float32 numbers are exact in float64 and are added
 pairwise in chunks, then exactly (``math.fsum``): each product carries a
-relative error of ~1e-15. ``d`` is formed element by element (no cancellation),
-so the update's distance to the big batch is exact to that; quantities that the
-fit forms from products (the residual) carry an absolute error of about
-``sqrt(1e-15) |d|``, three orders of magnitude below float32 rounding.
+relative error of ~1e-15, so what the fit forms from them by difference (the
+distance to the big batch, the residual) carries an absolute error of about
+``sqrt(1e-15) |t|``, ~3e-8 of the update: below float32 rounding.
 """
 
 from __future__ import annotations
@@ -49,16 +45,14 @@ class CellProducts:
     Attributes:
       cells: ``[C, 2]`` int, the ``(device, micro_batch)`` of each cell with items.
       gram: ``[C, C]`` float64, ``G_c . G_c'``.
-      deviation: ``[C]`` float64, ``G_c . d``.
-      deviation_norm: ``|d|``; NaN when the update is not finite.
-      update_norm: ``|update| / lr``; NaN when the update is not finite.
+      to_update: ``[C]`` float64, ``G_c . t`` with ``t = -update / lr``.
+      update_norm: ``|t|``; NaN when the update is not finite.
       passes: the cell gradients computed (more than ``C`` when not all could be held).
     """
 
     cells: np.ndarray
     gram: np.ndarray
-    deviation: np.ndarray
-    deviation_norm: float
+    to_update: np.ndarray
     update_norm: float
     passes: int
 
@@ -79,6 +73,29 @@ def dot(a: Leaves, b: Leaves) -> float:
     return math.fsum(partial)
 
 
+def parameter_change(new: list, old: Sequence) -> list[np.ndarray]:
+    """``new - old`` per leaf, in the parameters' dtype (at least float32), leaf by leaf.
+
+    ``new`` is CONSUMED: each of its leaves is let go once used, so that the
+    parameters after the update (and what they hold alive) are freed as the
+    change is built. The difference of two float32 numbers within a factor 2
+    of each other is exact (Sterbenz), so for an update small against the
+    parameters no rounding is added to what the parameters' dtype allows.
+    Leaves are anything ``np.asarray`` reads (numpy, jax, CPU torch tensors).
+
+    Example:
+      >>> parameter_change([np.float32([1.5])], [np.float32([1.0])])
+      [array([0.5], dtype=float32)]
+    """
+    change = []
+    for old_leaf in old:
+        new_leaf, old_leaf = np.asarray(new.pop(0)), np.asarray(old_leaf)
+        dtype = np.promote_types(np.result_type(new_leaf, old_leaf), np.float32)
+        change.append(np.subtract(new_leaf, old_leaf, dtype=dtype))
+        del new_leaf
+    return change
+
+
 def cell_products(
     cell_grad: CellGrad,
     update: list[np.ndarray],
@@ -92,8 +109,8 @@ def cell_products(
     Args:
       cell_grad: the gradient of a cell's summed reference loss, as arrays in the
         order of ``update`` (float32 or float64; any shape per leaf).
-      update: the loop's parameter change ``new - old`` per leaf, float64. It is
-        CONSUMED: turned into ``d`` in place (no copy of the parameters' size).
+      update: the loop's parameter change ``new - old`` per leaf
+        (:func:`parameter_change`).
       layout: the cells (only those with items are computed).
       learning_rate: the SGD learning rate the loop was given.
       progress: a tqdm bar on stderr while the gradients are computed.
@@ -102,22 +119,14 @@ def cell_products(
       The :class:`CellProducts`.
     """
     cells = np.argwhere(layout.items > 0)
-    per_cell = 1.0 / float(layout.items.sum())
-    update[:] = [np.ascontiguousarray(leaf, np.float64) for leaf in update]  # no copy if so
     finite = all(np.all(np.isfinite(leaf)) for leaf in update)
-    update_norm = math.sqrt(dot(update, update)) / learning_rate if finite else math.nan
-    for leaf in update:  # d = -update / lr (then minus each cell's share, in `_Stream.first`)
-        leaf *= -1.0 / learning_rate if finite else 0.0
-    gram, to_partial, passes = stream_products(
-        cell_grad, cells, [update], share=per_cell, progress=progress
-    )
-    deviation = to_partial[0] - per_cell * np.triu(gram).sum(axis=1)
+    target = update if finite else [np.zeros_like(leaf) for leaf in update]
+    gram, to_targets, passes = stream_products(cell_grad, cells, [target], progress=progress)
     return CellProducts(
         cells=cells,
         gram=gram,
-        deviation=deviation,
-        deviation_norm=math.sqrt(dot(update, update)) if finite else math.nan,
-        update_norm=update_norm,
+        to_update=-to_targets[0] / learning_rate,
+        update_norm=math.sqrt(dot(update, update)) / learning_rate if finite else math.nan,
         passes=passes,
     )
 
@@ -125,30 +134,26 @@ def cell_products(
 def stream_products(
     cell_grad: CellGrad,
     cells: np.ndarray,
-    targets: list[list[np.ndarray]],
+    targets: Sequence[Leaves],
     *,
-    share: float = 0.0,
     progress: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """The cells' Gram matrix and their products with ``targets``, streamed.
 
     Holds as many gradients as ``CELL_MEMORY`` allows (at least one) and
-    computes again those that cannot stay. At a cell's first gradient (in
-    index order) its products with the targets are taken, then ``share`` of
-    it is subtracted from ``targets[0]`` in place (float64): the products are
-    with ``targets[0] - share * sum_{j<c} G_j`` (:func:`cell_products`).
+    computes again those that cannot stay; the products with the targets are
+    taken at a cell's first gradient.
 
     Args:
       cell_grad: ``cell_grad(*cells[c])``, the leaves of cell ``c``'s gradient.
       cells: ``[C, ...]`` int, the arguments of each cell.
-      targets: float64 leaves (contiguous), in the order of the gradients' leaves.
-      share: what ``targets[0]`` loses of each gradient (0: it is left as it is).
+      targets: leaves in the order of the gradients' leaves (e.g. updates).
       progress: a tqdm bar on stderr.
 
     Returns:
       ``(gram [C, C], to_targets [U, C], passes)``.
     """
-    stream = _Stream(cell_grad, cells, targets, share, progress)
+    stream = _Stream(cell_grad, cells, targets, progress)
     stream.run()
     return stream.gram, stream.to_targets, stream.passes
 
@@ -156,8 +161,8 @@ def stream_products(
 class _Stream:
     """The blocks of held gradients and the passes over the cells after each block."""
 
-    def __init__(self, cell_grad, cells, targets, share, progress):
-        self.cell_grad, self.cells, self.targets, self.share = cell_grad, cells, targets, share
+    def __init__(self, cell_grad, cells, targets, progress):
+        self.cell_grad, self.cells, self.targets = cell_grad, cells, targets
         self.gram = np.zeros((len(cells), len(cells)))
         self.to_targets = np.zeros((len(targets), len(cells)))
         self.seen, self.passes, self.held_at_once = 0, 0, len(cells)
@@ -170,13 +175,16 @@ class _Stream:
                 held: list[tuple[int, Leaves]] = []
                 while start < len(self.cells) and len(held) < self.held_at_once:
                     held.append((start, self.grad(start)))
-                    for c, g in held:
-                        self.gram[start, c] = self.gram[c, start] = dot(held[-1][1], g)
+                    self.products(start, held[-1][1], held)
                     start += 1
                 for j in range(start, len(self.cells)):  # the products the held ones owe
-                    g = self.grad(j)
-                    for c, h in held:
-                        self.gram[j, c] = self.gram[c, j] = dot(g, h)
+                    self.products(j, self.grad(j), held)
+                del held  # before the next block's gradients
+
+    def products(self, j: int, g: Leaves, held: list[tuple[int, Leaves]]) -> None:
+        """Cell ``j``'s products with the held cells (itself among them, when held)."""
+        for c, h in held:
+            self.gram[j, c] = self.gram[c, j] = dot(g, h)
 
     def grad(self, c: int) -> Leaves:
         """Cell ``c``'s gradient; at its first computation, its products with the targets."""
@@ -188,20 +196,9 @@ class _Stream:
             self.bar.total = _passes(len(self.cells), self.held_at_once)
         if c == self.seen:
             self.to_targets[:, c] = [dot(g, target) for target in self.targets]
-            if self.share:
-                _subtract(self.targets[0], self.share, g)
             self.seen += 1
         self.bar.update()
         return g
-
-
-def _subtract(target: list[np.ndarray], share: float, g: Leaves) -> None:
-    """``target -= share * g`` in float64, in place, chunk by chunk."""
-    for leaf_t, leaf_g in zip(target, g, strict=True):
-        flat_t, flat_g = leaf_t.reshape(-1), np.ravel(leaf_g)
-        for start in range(0, flat_t.size, _CHUNK):
-            chunk = slice(start, start + _CHUNK)
-            flat_t[chunk] -= share * flat_g[chunk].astype(np.float64)
 
 
 def _passes(cells: int, held: int) -> int:

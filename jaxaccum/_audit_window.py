@@ -137,10 +137,7 @@ def _update(window_fn, params, batch, layout, learning_rate) -> list[np.ndarray]
     new_params = window_fn(params, microbatches, optax.sgd(learning_rate))
     new_leaves = jax.tree.leaves(_check_new_params(new_params, params))
     del new_params
-    return [
-        np.asarray(new, np.float64) - np.asarray(old, np.float64)
-        for new, old in zip(new_leaves, jax.tree.leaves(params), strict=True)
-    ]
+    return bigbatch.parameter_change(new_leaves, jax.tree.leaves(params))
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -11,7 +11,14 @@ import torch
 from torch import nn
 
 import bigbatch
-from torch_ref._audit_args import Batch, _check_batch, _check_callable, _check_model, _rows
+from torch_ref._audit_args import (
+    Batch,
+    _check_batch,
+    _check_callable,
+    _check_model,
+    _numpy,
+    _rows,
+)
 from torch_ref._audit_window import (
     LossFn,
     WindowFn,
@@ -101,10 +108,7 @@ def _update(window_fn, lr, timeout_s, model, batch, params, layout) -> list[np.n
         new = _window_here(window_fn, lr, model, batch, layout)
     else:
         new = _window_on_ranks(window_fn, lr, timeout_s, model, batch, layout)
-    return [
-        np.asarray(n, np.float64) - p.detach().cpu().double().numpy()
-        for n, p in zip(new, params, strict=True)
-    ]
+    return bigbatch.parameter_change(new, _numpy(params))
 
 
 def _items(loss_fn, model, batch: Batch, row_items) -> np.ndarray:

@@ -151,10 +151,7 @@ def _audit(
     params = _check_model(model)
     batch = _check_batch(batch)
     layout = _layout(loss_fn, model, batch, k, world_size, short_window)
-    update = [  # new - old, float64 (exact), leaf by leaf
-        np.asarray(new, np.float64) - p.detach().cpu().double().numpy()
-        for new, p in zip(run(model, batch, layout), params, strict=True)
-    ]
+    update = bigbatch.parameter_change(run(model, batch, layout), _numpy(params))
     cell_grad = lambda r, m: _grad(loss_fn, model, params, _rows(batch, layout.rows[r, m]))
     products = bigbatch.cell_products(
         cell_grad, update, layout, learning_rate=float(learning_rate), progress=progress
@@ -201,6 +198,7 @@ def _window_here(
     """One rank, in this process, on a copy of the model; the parameters after the update."""
     model = copy.deepcopy(model)
     _step(window_fn, model, _microbatches(batch, layout, 0), lr)
+    model.zero_grad(set_to_none=True)  # the copy's gradients: freed before the audit goes on
     return _numpy(_parameters(model))
 
 
