@@ -18,7 +18,7 @@ define repository_on_path
 	echo "$(CURDIR)" > "$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/jaxaccum-repository.pth"
 endef
 
-.PHONY: demo test test-fast test-latest lint parity bench fuzz clean
+.PHONY: demo test test-fast test-latest lint parity bench audit-gpt2 fuzz clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,6 +60,12 @@ parity: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks --out docs/benchmarks.md
+
+# The audit on GPT-2 small (124M parameters) in JAX and torch, 1 process and 2 gloo ranks, the
+# Hugging Face Trainer too: each against its verdict, 5 minutes and 4 x the model + 1.5 GB of
+# memory (about 6 minutes on 2 cores); records docs/audit-cost.json. Not in CI.
+audit-gpt2: $(STAMP)
+	$(PY) -m benchmarks.audit_cost --gpt2
 
 # The property tests (any split of a window is the big batch) with 1000 hypothesis
 # examples per mode (vmap, shard_map, plain jit) instead of 40. Not in CI.

@@ -13,6 +13,8 @@ Run ``python -m benchmarks --out docs/benchmarks.md`` (``make bench``); see
 6. ``gpu``          accumulation overhead on one GPU (``--device cuda``)
 7. ``loss_scale_start`` fp16 windows skipped at the start: jaxaccum vs
                     GradScaler, and the old summed-loss backward
+8. ``audit_cost``   the audit's time and peak memory against parameters, JAX
+                    and torch, up to GPT-2 small (``make audit-gpt2``: those alone)
 
 Compiled programs are read by ``testkit.hlo``. Importing this package runs
 no JAX operation (the entry point first fakes 8 CPU devices).

@@ -27,7 +27,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="cpu (default) or cuda: also runs section 6 on the GPU",
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: check the pipeline only")
-    parser.add_argument("--sections", default="1,2,3,4,5,6,7", help="comma-separated subset of 1-7")
+    parser.add_argument(
+        "--sections", default="1,2,3,4,5,6,7,8", help="comma-separated subset of 1-8"
+    )
     parser.add_argument(
         "--cache-dir",
         default=os.path.join(
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from benchmarks import _models as models
     from benchmarks import (
+        audit_cost,
         comm,
         gpu,
         jax_vs_torch,
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         6: lambda: gpu.run(args.device),
         7: lambda: loss_scale_start.run((512,) if quick else (512, 4096)),
+        8: lambda: audit_cost.run(quick),
     }
     sections = []
     for number in sorted(wanted):

@@ -47,6 +47,11 @@ MARKER = re.compile(r"<!-- (?P<source>\d\d|flax_lm):(?P<name>\w+) -->")
 TIME_MARKER = re.compile(r"<!-- time:[^>]*-->")
 # <!-- output: 09 --> on the line before a ``` block: its lines are lines the source printed.
 OUTPUT_MARKER = re.compile(r"<!-- output: (?P<source>\d\d|flax_lm) -->\n```[^\n]*\n(.*?)```", re.S)
+# <!-- recorded: NAME --> ... <!-- end recorded -->: a block rendered from a measurement the
+# repository keeps (a JSON file), checked against its renderer (docs_numbers_test.RECORDED).
+RECORDED_BLOCK = re.compile(
+    r"<!-- recorded: (?P<name>[\w-]+) -->\n(?P<block>.*?)<!-- end recorded -->", re.S
+)
 # A number: 1/20, 0.42, 27.5 (of 27.5x), 50.00 (of 50.00%), 65536, 1e-6, 2.6e-06 ...
 NUMBER = re.compile(r"\d+(?:\.\d+)*(?:e[-+]?\d+)?(?:/\d+)?")
 
@@ -185,6 +190,11 @@ def output_blocks(text: str) -> list[tuple[str, list[str]]]:
 # --- the prose and its numbers ------------------------------------------------------------
 
 
+def recorded_blocks(text: str) -> list[tuple[str, str]]:
+    """``(name, block)`` of every ``<!-- recorded: NAME -->`` block."""
+    return [(m["name"], m["block"]) for m in RECORDED_BLOCK.finditer(text)]
+
+
 def _blank(m: re.Match) -> str:
     """A removed span, its line breaks kept (line numbers stay right)."""
     return "\n" * m[0].count("\n")
@@ -243,7 +253,7 @@ def unmarked_numbers(
     ``<!-- time: ... -->`` marker covers the one number before it.
     ``skip_tables``: table rows are checked elsewhere.
     """
-    lines = text.split("\n")
+    lines = RECORDED_BLOCK.sub(_blank, text).split("\n")
     for i, line in enumerate(lines):
         if skip_tables and line.startswith("|"):
             lines[i] = ""

@@ -17,13 +17,17 @@ number (``11/20`` does not quote ``1/20``). An export may be a list
 (``0.42, 0.40, 0.44, 0.41``) or carry its unit (``0.99%``); a unit the export
 does not print stays after the marker (``27.5<!-- 03:local_over_big_0 -->x``).
 
-Two other markers:
+Three other markers:
 
 * ``2<!-- time: make demo, minutes -->``: a timing, left to whoever times it
   (how long ``make demo`` takes); not checked, and it covers the one number
   before it;
 * ``<!-- output: 09 -->`` on the line before a fenced block: every line of the
-  block but ``...`` is a line that source printed.
+  block but ``...`` is a line that source printed;
+* ``<!-- recorded: NAME -->`` ... ``<!-- end recorded -->``: a block of measured
+  figures the repository keeps as data (``RECORDED``: NAME's JSON file and the
+  function that renders it; the make target that measures them writes the
+  file): the block must be what the function renders from the file.
 
 **No number of the prose is left unmarked**, except (``_headlines.NOT_QUOTED``):
 
@@ -48,6 +52,8 @@ Two other markers:
 
 from __future__ import annotations
 
+import importlib
+
 import _headlines
 import pytest
 
@@ -55,6 +61,8 @@ pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test`
 
 SOURCES = {p.name[:2] for p in _headlines.LESSONS} | {"flax_lm"}
 GENERATED = {"docs/benchmarks.md": "Written by `python -m benchmarks"}  # and how it says so
+# a recorded block's name -> what renders it from the record (`make audit-gpt2` measures it)
+RECORDED = {"audit-cost": "benchmarks.audit_cost:recorded_markdown"}
 TABLES_CHECKED_ELSEWHERE = {"docs/bad-inputs.md"}
 
 
@@ -99,6 +107,14 @@ def test_output_blocks_are_what_their_source_prints(doc):
         printed = {line.rstrip() for line in _headlines.run(source).output.splitlines()}
         missing = [line for line in lines if line not in printed]
         assert not missing, f"{doc}: lines that {source} does not print:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("doc", _headlines.DOCUMENTS)
+def test_recorded_blocks_are_what_their_records_render(doc):
+    for name, block in _headlines.recorded_blocks(text(doc)):
+        module, function = RECORDED[name].split(":")
+        rendered = getattr(importlib.import_module(module), function)()
+        assert block.strip() == rendered.strip(), f"{doc}: the {name} block is not its record"
 
 
 def test_generated_docs_say_so():

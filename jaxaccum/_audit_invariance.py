@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -50,7 +50,9 @@ def audit_invariance(
       window_fn: your code for ONE optimizer update, as in :func:`audit_window`:
         ``window_fn(params, microbatches, optimizer) -> new_params``, each
         micro-batch global over the cut's ``R`` devices (device ``r`` owns the
-        ``r``-th contiguous slice of its rows).
+        ``r``-th contiguous slice of its rows). With a cut of ``R > 1`` it must
+        take a keyword ``num_devices`` too, and gets the cut's ``R`` there (the
+        one-batch run: 1).
       params: the parameters (a pytree of float arrays).
       batch: the rows, a pytree with a leading row axis; their number must be a
         multiple of ``k R`` for every cut.
@@ -101,9 +103,14 @@ def audit_invariance(
         bigbatch.layout_rows(items, k=k, num_devices=ranks)
         for k, ranks in bigbatch.check_cuts(cuts, rows)
     ]
-    run = functools.partial(_update_on, window_fn, params, batch, learning_rate=learning_rate)
-    one_batch = run(layout=bigbatch.layout_rows(items, k=1, num_devices=1))
-    updates = [run(layout=layout) for layout in layouts]
+    devices = _takes_devices(window_fn, layouts)
+
+    def run(layout):  # the loop on the cut's rows (and told its device count, if it must be)
+        kwargs = {"num_devices": layout.num_devices} if devices else {}
+        return _update_on(window_fn, params, batch, layout, learning_rate, **kwargs)
+
+    one_batch = run(bigbatch.layout_rows(items, k=1, num_devices=1))
+    updates = [run(layout) for layout in layouts]
     row_grad = None
     if loss_fn is not None:
         row_grad = lambda i: _cell_grad(
@@ -113,3 +120,17 @@ def audit_invariance(
     return bigbatch.invariance_report(
         names, one_batch, updates, row_items=items, row_grad=row_grad, progress=progress
     )
+
+
+def _takes_devices(window_fn: WindowFn, layouts: list[bigbatch.CellLayout]) -> bool:
+    """Whether ``window_fn`` is told each cut's device count: where a cut has more than one
+    (then it must take ``num_devices``)."""
+    if all(layout.num_devices == 1 for layout in layouts):
+        return False
+    parameters = inspect.signature(window_fn).parameters.values()
+    if not any(p.name == "num_devices" or p.kind is p.VAR_KEYWORD for p in parameters):
+        raise ValueError(
+            "window_fn: a cut of more than one device tells your code its device count:"
+            " expected window_fn(params, microbatches, optimizer, *, num_devices)"
+        )
+    return True

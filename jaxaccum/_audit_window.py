@@ -128,13 +128,13 @@ def audit_window(
     )
 
 
-def _update(window_fn, params, batch, layout, learning_rate) -> list[np.ndarray]:
-    """Your loop's parameter change ``new - old``, per leaf, in float64 (exact)."""
+def _update(window_fn, params, batch, layout, learning_rate, **window_kwargs) -> list[np.ndarray]:
+    """Your loop's parameter change ``new - old``, per leaf (`bigbatch.parameter_change`)."""
     microbatches = [
         jax.tree.map(lambda x, m=m: x[layout.microbatch_rows(m)], batch)
         for m in range(layout.k_window)
     ]
-    new_params = window_fn(params, microbatches, optax.sgd(learning_rate))
+    new_params = window_fn(params, microbatches, optax.sgd(learning_rate), **window_kwargs)
     new_leaves = jax.tree.leaves(_check_new_params(new_params, params))
     del new_params
     return bigbatch.parameter_change(new_leaves, jax.tree.leaves(params))

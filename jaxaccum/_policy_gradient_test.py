@@ -269,7 +269,6 @@ def rl_batch(seed: int = 0) -> dict[str, np.ndarray]:
         "old_logps": old,
         "advantages": rng.choice([-1.5, -0.5, 0.5, 1.0], rows).astype(np.float32),
         "mask": (np.arange(T) < TOKENS[:, None]).astype(np.float32),
-        "row": np.arange(rows, dtype=np.int32),  # which rows the audit put in a micro-batch
     }
 
 
@@ -294,21 +293,11 @@ def rl_loss(loss_type):
     return loss_fn
 
 
-def devices_of(microbatches: list) -> int:
-    """The cut's R: the audit's layout (``bigbatch.layout_rows``) that put these rows first."""
-    k, first = len(microbatches), np.asarray(microbatches[0]["row"])
-    for devices in (1, 2):
-        rows = bigbatch.layout_rows(TOKENS.astype(float), k=k, num_devices=devices)
-        if np.array_equal(rows.microbatch_rows(0), first):
-            return devices
-    raise AssertionError(f"no layout of k={k} puts rows {first} first")
-
-
 def jaxaccum_loop(loss_fn, seen):
     """jaxaccum.multi_steps on the cut's R devices (``testkit``'s data-parallel micro-step)."""
 
-    def window_fn(params, microbatches, optimizer):
-        k, devices = len(microbatches), devices_of(microbatches)
+    def window_fn(params, microbatches, optimizer, *, num_devices):
+        k, devices = len(microbatches), num_devices
         seen.append((k, devices))
         run = loops.jaxaccum_window(loss_fn, k, mode_for(devices), devices)
         return run(params, microbatches, optimizer)
@@ -329,8 +318,8 @@ def local_mean(loss_fn):
 def trl_bnpo_loop(loss_fn):
     """TRL's bnpo: each rank's micro-batch token mean / k, the ranks averaged (as DDP)."""
 
-    def window_fn(params, microbatches, optimizer):
-        k, devices = len(microbatches), devices_of(microbatches)
+    def window_fn(params, microbatches, optimizer, *, num_devices):
+        k, devices = len(microbatches), num_devices
         cells = [
             jax.tree.map(lambda x, r=r: np.split(x, devices)[r], mb)
             for mb in microbatches
