@@ -26,7 +26,7 @@ import pathlib
 import re
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from testkit import standard_numerics
 
@@ -34,6 +34,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent
 ROOT = EXAMPLES.parent
 LESSONS = sorted(EXAMPLES.glob("[0-9][0-9]_*.py"))
 FLAX_LM = EXAMPLES / "flax_lm"
+# What a lesson needs beyond JAX (the optional extras): without it, its runs are skipped.
+NEEDS = {"10": ("torch", "transformers", "trl", "datasets")}
 
 # The documents whose numbers are checked (paths relative to ROOT).
 DOCUMENTS = sorted(
@@ -151,6 +153,16 @@ def run(source: str) -> Run:
     return flax_lm() if source == "flax_lm" else lesson(source)
 
 
+def skip_unless_runnable(sources: Iterable[str]) -> None:
+    """Inside a test: a skip when one of ``sources`` needs a package that is not installed
+    (`NEEDS`, e.g. lesson 10 runs TRL: ``make test-latest`` has no torch)."""
+    import pytest
+
+    for source in sorted(set(sources)):
+        for module in NEEDS.get(source, ()):
+            pytest.importorskip(module, reason=f"lesson {source} needs {module}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Marker:
     """A marker, where it is, and the text of its line before it."""
@@ -209,6 +221,7 @@ def _without_code_blocks(text: str) -> str:
 _REFERENCE_LINK = r"\[(?:(?:examples/|[Ll]esson |[Ss]ection )?\d+(?:-\d+)?|[\w./-]+\.\w+)\]"
 # What is not a quoted number (docs_numbers_test.py lists them, with the reasons).
 NOT_QUOTED = [
+    r"(?s)<!-- ([\w-]+): begin.*?<!-- \1: end -->",  # a generated block: its generator's test
     r"<!--.*?-->",  # the other comments (<!-- test: jit -->, <!-- output: 09 -->)
     _REFERENCE_LINK + r"\([^)]*\)",
     r"\]\([^)]*\)",  # link targets

@@ -43,7 +43,13 @@ Two other markers:
 6. files whose numbers another check owns: ``docs/benchmarks.md``, written
    whole by ``python -m benchmarks`` from one run's measurements (its prose is
    formatted from them too), and the table rows of ``docs/bad-inputs.md``, each
-   one checked by ``jaxaccum/_bad_input_test.py``.
+   one checked by ``jaxaccum/_bad_input_test.py``;
+7. a generated block, from ``<!-- NAME: begin ... -->`` to ``<!-- NAME: end -->``:
+   its generator writes it and its test checks it is what the code produces
+   (``docs/trl-invariance.md``'s table: ``parity_tests/trl_table_test.py``).
+
+A document that quotes a lesson needing what is not installed (``_headlines.NEEDS``:
+lesson 10 runs TRL) is skipped.
 """
 
 from __future__ import annotations
@@ -68,8 +74,14 @@ def text(doc: str) -> str:
     return (_headlines.ROOT / doc).read_text()
 
 
+def skip_unless_runnable(doc: str) -> None:
+    _headlines.skip_unless_runnable(m.source for m in _headlines.markers(text(doc)))
+    _headlines.skip_unless_runnable(source for source, _ in _headlines.output_blocks(text(doc)))
+
+
 @pytest.mark.parametrize("doc", _headlines.DOCUMENTS)
 def test_markers_quote_their_exports(doc):
+    skip_unless_runnable(doc)
     wrong = []
     for m in _headlines.markers(text(doc)):
         value = value_of(m)
@@ -85,6 +97,7 @@ def test_markers_quote_their_exports(doc):
     [doc for doc in _headlines.DOCUMENTS if doc not in GENERATED],
 )
 def test_no_number_is_left_unmarked(doc):
+    skip_unless_runnable(doc)
     found = _headlines.unmarked_numbers(
         text(doc), value_of, skip_tables=doc in TABLES_CHECKED_ELSEWHERE
     )
@@ -95,6 +108,7 @@ def test_no_number_is_left_unmarked(doc):
 
 @pytest.mark.parametrize("doc", _headlines.DOCUMENTS)
 def test_output_blocks_are_what_their_source_prints(doc):
+    skip_unless_runnable(doc)
     for source, lines in _headlines.output_blocks(text(doc)):
         printed = {line.rstrip() for line in _headlines.run(source).output.splitlines()}
         missing = [line for line in lines if line not in printed]
