@@ -18,7 +18,7 @@ define repository_on_path
 	echo "$(CURDIR)" > "$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/jaxaccum-repository.pth"
 endef
 
-.PHONY: demo test test-fast test-latest lint parity bench audit-gpt2 fuzz clean
+.PHONY: demo test test-fast test-latest lint parity trl-audit bench audit-gpt2 fuzz clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,12 @@ lint: $(STAMP)
 
 parity: $(STAMP)
 	$(PY) -m parity_tests --device cpu --out out/parity
+
+# TRL's GRPOTrainer, every loss type x GA 1/2/4 x steps_per_generation GA/2 GA x 1 or 2
+# gloo ranks (and the entropy bonus): each verdict checked against TRL's code, the table
+# written into docs/trl-invariance.md (a few minutes on 2 cores).
+trl-audit: $(STAMP)
+	$(PY) -m parity_tests.trl_table --write docs/trl-invariance.md
 
 bench: $(STAMP)
 	$(PY) -m benchmarks --out docs/benchmarks.md

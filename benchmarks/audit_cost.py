@@ -57,7 +57,9 @@ BEFORE = {
     ("torch", "5.2M", 1): (5.0, 1.22e9),
     ("torch", "18.9M", 1): (11.1, 3.24e9),
 }
-RECORD = pathlib.Path(__file__).resolve().parent.parent / "docs" / "audit-cost.json"
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+RECORD = DOCS / "audit-cost.json"  # the measurements, kept; docs/audit.md's block renders them
+BLOCK = "audit-cost"
 
 
 def rows(vocab: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -294,8 +296,8 @@ def record(results: dict) -> None:
     RECORD.write_text(json.dumps(recorded, indent=1, sort_keys=True) + "\n")
 
 
-def recorded_markdown() -> str:
-    """The table of ``docs/audit-cost.json``, as docs/audit.md shows it."""
+def recorded_block() -> str:
+    """The table of ``docs/audit-cost.json``, as docs/audit.md's block shows it."""
     recorded = json.loads(RECORD.read_text())
     results = {}
     for case in CASES + GPT2_CASES:
@@ -304,9 +306,20 @@ def recorded_markdown() -> str:
             results[case] = recorded["audits"][key]
     versions = ", ".join(f"{name} {version}" for name, version in recorded["versions"].items())
     from benchmarks._common import table
+    from parity_tests import docs_blocks
 
-    caption = f"Measured {recorded['date']} on 2 CPU cores ({versions}); `make audit-gpt2`."
-    return table(HEADER, rows_of(results)) + "\n\n" + caption + "\n"
+    caption = f"Measured on {recorded['date']}, 2 CPU cores ({versions})."
+    how = "make audit-gpt2 and make bench measure what follows"
+    lines = [docs_blocks.begin(BLOCK, how), table(HEADER, rows_of(results)), "", caption]
+    return "\n".join([*lines, docs_blocks.end(BLOCK)])
+
+
+def write_block() -> None:
+    """docs/audit.md's block, rendered from the record."""
+    from parity_tests import docs_blocks
+
+    doc = DOCS / "audit.md"
+    doc.write_text(docs_blocks.replace_block(doc.read_text(), BLOCK, recorded_block()))
 
 
 def run(quick: bool):
@@ -317,6 +330,7 @@ def run(quick: bool):
     results = {case: measure(*case) for case in dict.fromkeys(cases)}
     if not quick:
         record(results)
+        write_block()
     within = [
         (f"{f} {s} x{n}: peak RSS / budget", f"{r['peak_bytes'] / budget_bytes(r['params']):.2f}",
          "<= 1", r["peak_bytes"] <= budget_bytes(r["params"]))
@@ -339,6 +353,7 @@ def gpt2_main() -> int:
         ok &= result["peak_bytes"] <= budget_bytes(result["params"])
         failed += [] if ok else [case]
     record(results)
+    write_block()
     print("all within their budgets" if not failed else f"over budget or wrong: {failed}")
     return 1 if failed else 0
 
@@ -351,7 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.record:
         record({case: measure(*case) for case in dict.fromkeys(CASES + GPT2_CASES)})
-        print(recorded_markdown())
+        write_block()
+        print(recorded_block())
         return 0
     if args.one:
         framework, size, ranks = args.one

@@ -13,11 +13,24 @@ The benchmarks run optax's own updates (optax.MultiSteps, a bare AdamW) through
 for the project's code only (``conftest.py``).
 """
 
+import json
+
 import jax
 import numpy as np
 import pytest
 
-from benchmarks import _common, _models, comm, gpu, jax_vs_torch, micro_step, report, scan, state
+from benchmarks import (
+    _common,
+    _models,
+    audit_cost,
+    comm,
+    gpu,
+    jax_vs_torch,
+    micro_step,
+    report,
+    scan,
+    state,
+)
 
 NO_TORCH = "needs torch: no CPU build for this Python here"
 
@@ -172,3 +185,21 @@ def test_report_renders(mlp):
     ]
     for s in sections:
         assert text.count(f"\n## {s.title}\n") == 1
+
+
+def test_the_audit_cost_block_of_the_docs_is_its_record():
+    # docs/audit.md's cost table is rendered from docs/audit-cost.json (make audit-gpt2 and
+    # make bench measure it): the block must be that rendering, number for number
+    from parity_tests import docs_blocks
+
+    documented = docs_blocks.block((audit_cost.DOCS / "audit.md").read_text(), audit_cost.BLOCK)
+    assert documented == audit_cost.recorded_block(), "run `make audit-gpt2` (or write_block)"
+
+
+def test_the_audit_cost_rows_are_within_budget_in_the_record():
+    # the one-device audits up to GPT-2 small: at most 4 x the model's float32 bytes + 1.5 GB
+    recorded = json.loads(audit_cost.RECORD.read_text())["audits"]
+    for key, result in recorded.items():
+        budget = audit_cost.budget_bytes(result["params"])
+        assert result["peak_bytes"] <= budget, f"{key}: {result['peak_bytes']:.3g} > {budget:.3g}"
+        assert result["seconds"] <= audit_cost.BUDGET_S, key

@@ -26,7 +26,7 @@ import pathlib
 import re
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from testkit import standard_numerics
 
@@ -34,6 +34,8 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent
 ROOT = EXAMPLES.parent
 LESSONS = sorted(EXAMPLES.glob("[0-9][0-9]_*.py"))
 FLAX_LM = EXAMPLES / "flax_lm"
+# What a lesson needs beyond JAX (the optional extras): without it, its runs are skipped.
+NEEDS = {"10": ("torch", "transformers", "trl", "datasets")}
 
 # The documents whose numbers are checked (paths relative to ROOT).
 DOCUMENTS = sorted(
@@ -47,11 +49,6 @@ MARKER = re.compile(r"<!-- (?P<source>\d\d|flax_lm):(?P<name>\w+) -->")
 TIME_MARKER = re.compile(r"<!-- time:[^>]*-->")
 # <!-- output: 09 --> on the line before a ``` block: its lines are lines the source printed.
 OUTPUT_MARKER = re.compile(r"<!-- output: (?P<source>\d\d|flax_lm) -->\n```[^\n]*\n(.*?)```", re.S)
-# <!-- recorded: NAME --> ... <!-- end recorded -->: a block rendered from a measurement the
-# repository keeps (a JSON file), checked against its renderer (docs_numbers_test.RECORDED).
-RECORDED_BLOCK = re.compile(
-    r"<!-- recorded: (?P<name>[\w-]+) -->\n(?P<block>.*?)<!-- end recorded -->", re.S
-)
 # A number: 1/20, 0.42, 27.5 (of 27.5x), 50.00 (of 50.00%), 65536, 1e-6, 2.6e-06 ...
 NUMBER = re.compile(r"\d+(?:\.\d+)*(?:e[-+]?\d+)?(?:/\d+)?")
 
@@ -156,6 +153,16 @@ def run(source: str) -> Run:
     return flax_lm() if source == "flax_lm" else lesson(source)
 
 
+def skip_unless_runnable(sources: Iterable[str]) -> None:
+    """Inside a test: a skip when one of ``sources`` needs a package that is not installed
+    (`NEEDS`, e.g. lesson 10 runs TRL: ``make test-latest`` has no torch)."""
+    import pytest
+
+    for source in sorted(set(sources)):
+        for module in NEEDS.get(source, ()):
+            pytest.importorskip(module, reason=f"lesson {source} needs {module}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Marker:
     """A marker, where it is, and the text of its line before it."""
@@ -190,11 +197,6 @@ def output_blocks(text: str) -> list[tuple[str, list[str]]]:
 # --- the prose and its numbers ------------------------------------------------------------
 
 
-def recorded_blocks(text: str) -> list[tuple[str, str]]:
-    """``(name, block)`` of every ``<!-- recorded: NAME -->`` block."""
-    return [(m["name"], m["block"]) for m in RECORDED_BLOCK.finditer(text)]
-
-
 def _blank(m: re.Match) -> str:
     """A removed span, its line breaks kept (line numbers stay right)."""
     return "\n" * m[0].count("\n")
@@ -219,6 +221,7 @@ def _without_code_blocks(text: str) -> str:
 _REFERENCE_LINK = r"\[(?:(?:examples/|[Ll]esson |[Ss]ection )?\d+(?:-\d+)?|[\w./-]+\.\w+)\]"
 # What is not a quoted number (docs_numbers_test.py lists them, with the reasons).
 NOT_QUOTED = [
+    r"(?s)<!-- ([\w-]+): begin.*?<!-- \1: end -->",  # a generated block: its generator's test
     r"<!--.*?-->",  # the other comments (<!-- test: jit -->, <!-- output: 09 -->)
     _REFERENCE_LINK + r"\([^)]*\)",
     r"\]\([^)]*\)",  # link targets
@@ -253,7 +256,7 @@ def unmarked_numbers(
     ``<!-- time: ... -->`` marker covers the one number before it.
     ``skip_tables``: table rows are checked elsewhere.
     """
-    lines = RECORDED_BLOCK.sub(_blank, text).split("\n")
+    lines = text.split("\n")
     for i, line in enumerate(lines):
         if skip_tables and line.startswith("|"):
             lines[i] = ""

@@ -57,6 +57,19 @@ def test_what_is_not_a_quoted_number():
     assert unmarked(text) == ["2"]  # `grad_norm` 2: the number after inline code is prose
 
 
+def test_a_generated_block_is_its_generators_to_check():
+    text = "\n".join(
+        [
+            "prose 7",
+            "<!-- trl-table: begin (make trl-audit) -->",
+            "| grpo | 1 | 4.4e-01 |",
+            "<!-- trl-table: end -->",
+            "after 9",
+        ]
+    )
+    assert unmarked(text) == ["7", "9"]
+
+
 def test_output_blocks():
     text = "<!-- output: 09 -->\n```\nline one\n...\nline two  \n```\n"
     assert _headlines.output_blocks(text) == [("09", ["line one", "line two"])]

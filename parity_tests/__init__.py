@@ -4,7 +4,7 @@ Modules, in the order the main job (``python -m parity_tests``) flows through th
 each handing its values down (the models are ``tinygpt``'s pair, the data
 ``tinygpt.data``'s one generator and one way to split a window)::
 
-    __main__        the command line: the suite, then the report, then the audit table
+    __main__        the command line: the suite, then the report, then the audit tables
     suite           run_suite: the plan, the runs, the checks (-> compare.SuiteResult)
     scenarios       a run as numbers (Scenario), the matrix, and plan(): every scenario
                     turned ONCE into a Case, its dtypes and arrays, which all below take
@@ -21,6 +21,9 @@ each handing its values down (the models are ``tinygpt``'s pair, the data
     report_files    parity.md, parity.json; plot: parity_loss.png
     audits          the second table: the audit of the known bugs' loops, JAX and torch
                     (testkit.audited_loops; torch_ref.buggy)
+    trl_table       the third: TRL's GRPO update cut into micro-batches and ranks, every
+                    loss type, checked against TRL's code (and ``make trl-audit``'s
+                    full table in docs/trl-invariance.md)
 
     torch_launch    ``torchrun --nproc_per_node=R -m parity_tests.torch_launch SCEN.npz
                     OUT.npz``: the standard launcher of a torch run, and its files

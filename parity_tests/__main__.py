@@ -4,12 +4,14 @@ Runs the suite (see ``parity_tests.suite``), prints the verdict first, then a
 legend and the table (100 columns), and writes ``DIR/parity.md``,
 ``DIR/parity.json`` and ``DIR/parity_loss.png`` (each check's worst deviation
 against the tolerance band). Then the second table: the audit of the known
-bugs' loops, JAX and torch (``parity_tests.audits``, ``docs/audit.md``).
+bugs' loops, JAX and torch (``parity_tests.audits``, ``docs/audit.md``), and the
+third: TRL's GRPO update cut into micro-batches, one line per loss type
+(``parity_tests.trl_table``, ``docs/trl-invariance.md``).
 
 Exit status: 0 when every parity check is within tolerance, every negative
-control is flagged and the audit names every loop's bug; 1 otherwise (a bug
-variant NOT flagged is a failure too); 2 when the requested device is not
-available.
+control is flagged, the audit names every loop's bug and TRL's GRPO updates are
+what its code predicts; 1 otherwise (a bug variant NOT flagged is a failure
+too); 2 when the requested device is not available.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The parity report, then the audit table; the exit status (module docstring)."""
+    """The parity report, then the audit tables; the exit status (module docstring)."""
     args = _parse(argv)
     _configure_jax(args.device)
     if args.device == "cuda":
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
 
-    from parity_tests import audits, report, report_files, suite
+    from parity_tests import audits, report, report_files, suite, trl_table
 
     result = suite.run_suite(args.device, args.quick, progress=not args.no_progress)
     text = report.render(result)
@@ -111,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if wrong:
         print("FAIL: the audit misnamed " + "; ".join(wrong))
-    return 0 if result.passed and not wrong else 1
+    grpo_text, grpo_wrong = trl_table.demo(progress=not args.no_progress)
+    print()
+    print(grpo_text)
+    if grpo_wrong:
+        print("FAIL: TRL's GRPO update is not as its code predicts: " + "; ".join(grpo_wrong))
+    return 0 if result.passed and not wrong and not grpo_wrong else 1
 
 
 if __name__ == "__main__":

@@ -82,6 +82,9 @@ Audit (``docs/audit.md``; the report is ``bigbatch.AuditReport``, as in ``jaxacc
         loss_fn(model, batch) -> (loss_sum, num_items)       # the reference summed loss
     audit.audit_hf_trainer(model, rows, *, k=4, world_size=1, timeout_s=300.0,
                            **training_args) -> AuditReport  # a transformers.Trainer
+    audit.audit_invariance(window_fn, model, batch, *, cuts, ...) -> InvarianceReport
+    audit.audit_trl_grpo(loss_type, *, gradient_accumulation_steps, steps_per_generation=None,
+                         world_size=1, entropy_coef=0.0) -> InvarianceReport  # TRL's GRPO
 
 Utilities::
 

@@ -2,14 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import functools
-import os
-import random
-import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,15 +12,10 @@ import torch
 from torch import nn
 
 import bigbatch
-from torch_ref._audit_args import Batch, _check_window, _parameters
-from torch_ref._audit_window import (
-    RankParameters,
-    _audit,
-    _on_ranks,
-    _rank0_parameters,
-    _same_on_every_rank,
-)
+from torch_ref._audit_args import Batch, _check_window
+from torch_ref._audit_window import _audit
 from torch_ref._loss import causal_lm_loss_sum
+from torch_ref._trainer_runs import TrainerRun, offline, run_trainers
 
 
 def hf_causal_lm_loss_sum(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, int]:
@@ -107,6 +97,7 @@ def audit_hf_trainer(
       report = audit_hf_trainer(gpt2, rows, k=4, world_size=2)
       report.verdict  # -> 'exact'
     """
+    offline()  # before transformers reads it: the audit reaches no network
     import transformers  # the optional extra .[hf]
 
     if not isinstance(rows, Sequence) or not rows or not all(isinstance(r, Mapping) for r in rows):
@@ -201,62 +192,30 @@ def _trainer_run(
     model: nn.Module,
     batch: Batch,
     layout: bigbatch.CellLayout,
-) -> np.ndarray:
+) -> list[np.ndarray]:
     """The Trainer on the layout: here (one rank), or on ``layout.num_devices`` gloo ranks."""
     # micro-batch m of rank r is the Trainer's batch m R + r: accelerate deals batch j to rank j % R
     order = layout.rows.transpose(1, 0, 2).reshape(-1)
     settings = {**settings, "per_device_train_batch_size": layout.rows_per_cell}
-    if layout.num_devices == 1:
-        with _global_rngs_kept():  # the Trainer seeds them (TrainingArguments.seed)
-            trainer = (trainer_class, settings, order)
-            results = [_rank_trainer(0, 1, copy.deepcopy(model), batch, trainer)]
-    else:
-        results = _on_ranks(
-            layout.num_devices,
-            _rank_trainer,
-            model,
-            batch,
-            (trainer_class, settings, order),
-            timeout_s=timeout_s,
-        )
-    for rank, (_, read) in enumerate(results):
+    run = TrainerRun(
+        _trainer, "transformers.TrainingArguments", settings, (trainer_class, batch, order)
+    )
+    (result,) = run_trainers([run], model, world_size=layout.num_devices, timeout_s=timeout_s)
+    for rank, read in enumerate(result.records):
         if read != layout.rows[rank].reshape(-1).tolist():
             raise RuntimeError(
                 f"transformers.Trainer: rank {rank} read the rows {read}, not those of its cells"
                 f" {layout.rows[rank].reshape(-1).tolist()}: this version deals batches to ranks"
                 " otherwise, and the audit's cells would not be its cells"
             )
-    return _same_on_every_rank([params for params, _ in results], _parameters(model), "Trainer")
+    return result.params
 
 
-@contextlib.contextmanager
-def _global_rngs_kept() -> Iterator[None]:
-    """Restores Python's, numpy's and torch's (CPU) global random states after the body."""
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
+def _trainer(model: nn.Module, args: Any, data: tuple) -> tuple[Any, list]:
+    """The `TrainerRun` factory: ``trainer_class`` on the rows in the order given; the rows it reads.
 
-
-def _rank_trainer(rank, world_size, model, batch, trainer) -> tuple[RankParameters, list]:
-    """One rank's Trainer: one optimizer step; (rank 0's parameters, the rows it read).
-
-    ``trainer``: the Trainer class, the settings of ``TrainingArguments``, the rows' order.
+    ``data``: the Trainer class, the batch, the rows' order.
     """
-    import transformers
-
-    trainer_class, settings, order = trainer
-    if world_size > 1:  # accelerate reads the rank from the environment; the group exists
-        os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size),
-        )  # fmt: skip
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # else accelerate warns and sets it
+    trainer_class, batch, order = data
     dataset = _Rows(batch, order)
-    with tempfile.TemporaryDirectory(prefix="torch_ref_audit_") as output_dir:
-        args = transformers.TrainingArguments(**{"output_dir": output_dir, **settings})
-        trainer_class(model=model, args=args, train_dataset=dataset).train()
-    return _rank0_parameters(rank, model), dataset.read
+    return trainer_class(model=model, args=args, train_dataset=dataset), dataset.read

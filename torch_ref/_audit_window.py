@@ -226,21 +226,27 @@ def _rank_window(rank, world_size, model, per_rank, window_fn, lr) -> RankParame
     return _rank0_parameters(rank, model)
 
 
-def _on_ranks(world_size, fn, model, data, *args, timeout_s: float) -> list[Any]:
+def _on_ranks(
+    world_size, fn, model, data, *args, timeout_s: float, environ: Mapping[str, str] | None = None
+) -> list[Any]:
     """``fn(rank, world_size, model, data, *args)`` on gloo ranks (`ddp.run`), each on its own copy.
 
     ``model`` and ``data`` travel in a ``torch.save`` file: as arguments,
     torch.multiprocessing would hand the ranks the tensors in SHARED memory, and
-    every rank would step the same parameters.
+    every rank would step the same parameters. ``environ``: variables each rank
+    sets before it loads them (the ranks fork from a server started earlier, with
+    the environment of that moment; loading a model may import what reads them).
     """
     with tempfile.TemporaryDirectory(prefix="torch_ref_audit_") as folder:
         payload = os.path.join(folder, "model_and_data.pt")
         on_cpu = all(p.device.type == "cpu" for p in model.parameters())
         torch.save((model if on_cpu else copy.deepcopy(model).cpu(), data), payload)
-        return ddp.run(world_size, _rank_main, fn, payload, args, timeout_s=timeout_s)
+        environ = dict(environ or {})
+        return ddp.run(world_size, _rank_main, fn, payload, args, environ, timeout_s=timeout_s)
 
 
-def _rank_main(rank, world_size, fn, payload: str, args) -> Any:
+def _rank_main(rank, world_size, fn, payload: str, args, environ: dict[str, str]) -> Any:
+    os.environ.update(environ)
     model, data = torch.load(payload, weights_only=False)
     return fn(rank, world_size, model, data, *args)
 

@@ -16,11 +16,19 @@ rest to ``bigbatch`` (the fit, the verdict, the report: the same as JAX's).
 :func:`audit_hf_trainer` does the same for a Hugging Face ``transformers.Trainer``.
 :func:`audit_invariance` asks the question without a reference loss: is the update
 the same for every cut of the window into micro-batches and ranks?
+:func:`audit_trl_grpo` asks it of TRL's ``GRPOTrainer``, for any loss type, gradient
+accumulation, ``steps_per_generation`` and world size (``docs/trl-invariance.md``).
 """
 
 import bigbatch
 from torch_ref._audit_invariance import audit_invariance
 from torch_ref._audit_trainer import audit_hf_trainer, hf_causal_lm_loss_sum
+from torch_ref._audit_trl import (
+    GRPOCut,
+    GRPOInvarianceReport,
+    audit_trl_grpo,
+    audit_trl_grpo_cuts,
+)
 from torch_ref._audit_window import audit_window
 
 AuditReport = bigbatch.AuditReport
@@ -29,9 +37,13 @@ InvarianceReport = bigbatch.InvarianceReport
 
 __all__ = [
     "AuditReport",
+    "GRPOCut",
+    "GRPOInvarianceReport",
     "InvarianceReport",
     "audit_hf_trainer",
     "audit_invariance",
+    "audit_trl_grpo",
+    "audit_trl_grpo_cuts",
     "audit_window",
     "hf_causal_lm_loss_sum",
 ]
