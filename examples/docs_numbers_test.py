@@ -59,7 +59,8 @@ from __future__ import annotations
 import _headlines
 import pytest
 
-pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
+# slow: it runs every lesson (`make test` only), on the worker that runs them for lessons_test
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lessons")]
 
 SOURCES = {p.name[:2] for p in _headlines.LESSONS} | {"flax_lm"}
 GENERATED = {"docs/benchmarks.md": "Written by `python -m benchmarks"}  # and how it says so

@@ -16,14 +16,17 @@ points: `torch_ref.buggy` holds them as data (``buggy.VARIANTS``).
 Modules::
 
     _train.py       train_update, train, windows_of: the algorithm, top to bottom
-    _steps.py       its decision points' choices, the norm and the clipping factor
+    _steps.py       the loop's torch steps: the window's items, the optimizer step, the norm
     _record.py      RECORD_KEYS, SkipReason (bigbatch's vocabulary), Progress
-    buggy.py        Variant, REFERENCE, VARIANTS: the bugs as data
+    buggy.py        Variant, REFERENCE, VARIANTS: the bugs as data, hooks on the loop
     _loss.py        causal_lm_loss_sum, count_items
     ddp.py          ddp.run: torch.multiprocessing ranks on 127.0.0.1, bounded in time;
                     one_cpu_thread
     audit.py        audit_window, audit_hf_trainer: how YOUR loop weighs each micro-batch and
-                    rank (bigbatch's fit and report; the twin of jaxaccum.audit)
+                    rank (bigbatch's fit and report; the twin of jaxaccum.audit);
+                    audit_invariance, audit_trl_grpo: is the update the same for every cut?
+                    (_audit_window.py, _audit_trainer.py, _audit_invariance.py,
+                    _audit_trl.py; _trainer_runs.py runs a Trainer for one update)
 
 The model is yours: any ``nn.Module`` mapping ``input_ids`` [B, T] to logits
 [B, T, V] (optionally wrapped in ``DistributedDataParallel``). Whole runs as
