@@ -33,9 +33,10 @@ demo: $(STAMP)
 	$(PY) -m parity_tests --device cpu --quick --out out/parity-quick
 
 # Everything: unit tests, processes, the parity suite, the lessons, benchmark smoke runs, on 2
-# workers (loadgroup: the tests that share one run, the parity suite's or the lessons', stay on one).
+# workers; loadfile hands each test file to one worker, so a module's shared run (the parity
+# suite's, a checkpointed run's) is computed once.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The unit tests, about a minute on 2 cores (`slow` marks the rest), on 2 workers.
 test-fast: $(STAMP)
@@ -50,7 +51,7 @@ $(STAMP_LATEST): pyproject.toml constraints-latest.txt
 
 # Every test that does not need torch, on the newest JAX/Flax/NumPy (torch's skip).
 test-latest: $(STAMP_LATEST)
-	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadgroup
+	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

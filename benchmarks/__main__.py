@@ -40,16 +40,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
-    if args.device == "cpu":
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def _runners(quick: bool, device: str) -> dict:
+    """Each section's run, by number, on the sizes ``--quick`` asks for."""
     import jax
-
-    jax.config.update("jax_num_cpu_devices", 8)  # before the first JAX operation
-    if args.cache_dir:  # compiled programs are identical with or without it
-        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
     from benchmarks import _models as models
     from benchmarks import (
@@ -59,15 +52,10 @@ def main(argv: list[str] | None = None) -> None:
         jax_vs_torch,
         loss_scale_start,
         micro_step,
-        report,
         scan,
         state,
     )
 
-    started = time.perf_counter()
-    load_at_start = report.load_average()
-    wanted = {int(s) for s in args.sections.split(",") if s.strip()}
-    quick = args.quick
     if quick:
         gpt = models.tiny_gpt(models.gpt_config(d_model=32, n_layer=1), seq_len=16)
         mlp = models.mlp(width=128, layers=4)
@@ -76,8 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         mlp = models.mlp(width=1000, layers=10)
     small_mlp = models.mlp(width=256, layers=4)
     rounds = 3 if quick else 5
-
-    runners = {
+    return {
         1: lambda: micro_step.run(
             [
                 # the GPT's step is dominated by its forward/backward; on the MLP
@@ -97,12 +84,31 @@ def main(argv: list[str] | None = None) -> None:
         3: lambda: comm.run(small_mlp, k=4, devices=jax.devices("cpu")[:8], rounds=rounds),
         4: lambda: state.run([gpt, mlp], k=4),
         5: lambda: jax_vs_torch.run(
-            seq_len=16 if quick else 128, rows=8, k=4, rounds=rounds, device=args.device
+            seq_len=16 if quick else 128, rows=8, k=4, rounds=rounds, device=device
         ),
-        6: lambda: gpu.run(args.device),
+        6: lambda: gpu.run(device),
         7: lambda: loss_scale_start.run((512,) if quick else (512, 4096)),
         8: lambda: audit_cost.run(quick),
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)  # before the first JAX operation
+    if args.cache_dir:  # compiled programs are identical with or without it
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+    started = time.perf_counter()
+    from benchmarks import report
+
+    load_at_start = report.load_average()
+    wanted = {int(s) for s in args.sections.split(",") if s.strip()}
+    runners = _runners(args.quick, args.device)
     sections = []
     for number in sorted(wanted):
         t0 = time.perf_counter()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,7 @@ from bigbatch._forms import (
     checkable_forms,
     form_weights,
 )
-from bigbatch._layout import CellLayout
+from bigbatch._layout import CellLayout, first_labels_of, layout_rows
 from bigbatch._products import CellProducts
 from bigbatch._report import UNKNOWN, AuditReport
 
@@ -138,6 +139,27 @@ def check_layout(layout: CellLayout) -> tuple[str, ...]:
     if layout.first_labels is not None and np.sum(layout.first_labels) > 0:
         forms = (*forms, *COUNT_FORMS)
     return forms
+
+
+def audit_layout(
+    row_items: np.ndarray, batch: Any, *, k: int, num_devices: int, short_window: bool = False
+) -> CellLayout:
+    """The audit's cells for ``batch``'s rows: :func:`layout_rows`, with each row's label at
+    position 0 read off ``batch`` (:func:`first_labels_of`), checked by :func:`check_layout`.
+
+    Example:
+      >>> audit_layout(np.array([1.0, 3.0]), {}, k=2, num_devices=1).items
+      array([[1., 3.]])
+    """
+    layout = layout_rows(
+        row_items,
+        k=k,
+        num_devices=num_devices,
+        short_window=short_window,
+        row_first_labels=first_labels_of(batch),
+    )
+    check_layout(layout)
+    return layout
 
 
 def check_precision(rounding: float, learning_rate: float) -> None:

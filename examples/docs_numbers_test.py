@@ -59,8 +59,7 @@ from __future__ import annotations
 import _headlines
 import pytest
 
-# slow: it runs every lesson (`make test` only), on the worker that runs them for lessons_test
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lessons")]
+pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 
 SOURCES = {p.name[:2] for p in _headlines.LESSONS} | {"flax_lm"}
 GENERATED = {"docs/benchmarks.md": "Written by `python -m benchmarks"}  # and how it says so

@@ -12,9 +12,7 @@ from __future__ import annotations
 import _headlines
 import pytest
 
-# slow: processes, minutes of compiling (`make test` only); one xdist worker runs every test of
-# the lessons, so each lesson runs once (`_headlines` keeps its run)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lessons")]
+pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 
 
 def test_there_are_lessons():

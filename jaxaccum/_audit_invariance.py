@@ -71,25 +71,21 @@ def audit_invariance(
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxaccum
-      >>> rng = np.random.default_rng(0)
-      >>> tokens = np.array([0, 1, 1, 2, 3, 5, 8, 12])  # valid tokens per row
-      >>> batch = {"x": rng.normal(size=(8, 12, 6)).astype(np.float32),
-      ...          "y": rng.normal(size=(8, 12)).astype(np.float32),
-      ...          "mask": (np.arange(12) < tokens[:, None]).astype(np.float32)}
-      >>> def loss_fn(params, batch):  # a SUM over valid tokens, and their count
-      ...     err = (batch["x"] @ params["w"] - batch["y"]) ** 2
-      ...     return jnp.sum(err * batch["mask"]), jnp.sum(batch["mask"])
-      >>> def jaxaccum_window(params, microbatches, optimizer):  # sums, divided once
-      ...     tx, state = jaxaccum.multi_steps(optimizer, len(microbatches)), None
-      ...     state = tx.init(params)
+      >>> x = np.linspace(-1.0, 1.0, 8, dtype=np.float32)  # 8 rows of 0 to 7 items
+      >>> batch = {"x": x, "items": np.arange(8, dtype=np.float32)}
+      >>> def loss_fn(w, batch):  # a SUM: each row's items times (w - x)^2, and the items
+      ...     return jnp.sum(batch["items"] * (w - batch["x"]) ** 2), jnp.sum(batch["items"])
+      >>> def jaxaccum_window(w, microbatches, optimizer):  # sums, divided once
+      ...     tx = jaxaccum.multi_steps(optimizer, len(microbatches))
+      ...     state = tx.init(w)
       ...     for mb in microbatches:
-      ...         (loss_sum, n), grads = jaxaccum.value_and_grad(loss_fn)(params, mb)
-      ...         updates, state = tx.update(grads, state, params, num_items=n)
-      ...         params = optax.apply_updates(params, updates)
-      ...     return params
+      ...         (_, n), grad = jaxaccum.value_and_grad(loss_fn)(w, mb)
+      ...         updates, state = tx.update(grad, state, w, num_items=n)
+      ...         w = optax.apply_updates(w, updates)
+      ...     return w
       >>> report = jaxaccum.audit.audit_invariance(
-      ...     jaxaccum_window, {"w": jnp.ones(6)}, batch, cuts=[(2, 1), (4, 1)],
-      ...     loss_fn=loss_fn, progress=False)
+      ...     jaxaccum_window, jnp.float32(0.5), batch, cuts=[(2, 1), (4, 1)], progress=False,
+      ...     row_items=batch["items"])
       >>> report.invariant, report.worst < 1e-5
       (True, True)
     """

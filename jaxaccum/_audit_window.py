@@ -109,14 +109,9 @@ def audit_window(
     _num_rows(batch)
     row_losses, row_items = _row_values(loss_fn, params, batch)
     _check_sums(loss_fn, params, batch, row_losses, row_items)
-    layout = bigbatch.layout_rows(
-        row_items,
-        k=k,
-        num_devices=num_devices,
-        short_window=short_window,
-        row_first_labels=bigbatch.first_labels_of(batch),
+    layout = bigbatch.audit_layout(
+        row_items, batch, k=k, num_devices=num_devices, short_window=short_window
     )
-    bigbatch.check_layout(layout)
     update = _update(window_fn, params, batch, layout, learning_rate)
     cells = jax.tree.map(lambda x: x[layout.rows], batch)  # [R, k_window, p, ...]
     cell_grad = lambda r, m: _cell_grad(loss_fn, params, jax.tree.map(lambda x: x[r, m], cells))

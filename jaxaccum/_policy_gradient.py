@@ -53,17 +53,14 @@ import jax.numpy as jnp
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
-# loss_type -> (a sequence's value: the "sum" or the "mean" of its token losses; the item)
-UNITS = {
-    "grpo": ("mean", "sequence"),
-    "sapo": ("mean", "sequence"),
-    "luspo": ("sum", "sequence"),
-    "dr_grpo": ("sum", "slot"),
-    "bnpo": ("sum", "token"),
-    "dapo": ("sum", "token"),
-    "cispo": ("sum", "token"),
-    "vespo": ("sum", "token"),
+# the item each loss type counts (a slot: one of max_completion_length per sequence) ...
+ITEMS = {
+    "sequence": ("grpo", "sapo", "luspo"),
+    "slot": ("dr_grpo",),
+    "token": ("bnpo", "dapo", "cispo", "vespo"),
 }
+# ... and the types whose sequence is worth its token MEAN (the others: its token sum)
+SEQUENCE_MEANS = ("grpo", "sapo")
 
 # TRL clamps VESPO's sequence log-weight to [log(1e-8), 20] and each token's log-ratio to +-20.
 _VESPO_LOG_W_MIN = math.log(1e-8)
@@ -139,8 +136,8 @@ def policy_gradient(
     is_sequence = tokens_per_sequence > 0
     sequences = jnp.sum(is_sequence).astype(jnp.float32)
     sequence_loss = jnp.sum(token_loss, axis=-1)
-    combine, item = UNITS[loss_type]
-    if combine == "mean":  # every sequence weighs the same, whatever its length
+    item = next(item for item, types in ITEMS.items() if loss_type in types)
+    if loss_type in SEQUENCE_MEANS:  # every sequence weighs the same, whatever its length
         sequence_loss = sequence_loss / jnp.where(is_sequence, tokens_per_sequence, 1.0)
     loss_sum = jnp.sum(jnp.where(is_sequence, sequence_loss, 0.0))
     if item == "sequence":

@@ -23,12 +23,10 @@ import torch_ref  # noqa: E402
 from parity_tests import report, report_files, scenarios, suite  # noqa: E402
 from parity_tests.compare import FLAG_RATIO, TOLERANCES  # noqa: E402
 
-# slow: processes, minutes of compiling (`make test` only); one xdist worker runs the module, so
-# the suite behind its module-scoped fixture runs once (`make test`: pytest -n 2 --dist loadgroup)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parity_suite")]
+pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # `make test` hands a whole file to one worker (loadfile)
 def result():
     return suite.run_suite("cpu", quick=True, progress=False)
 

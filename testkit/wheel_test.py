@@ -8,6 +8,7 @@ and nothing the wheel ships may import them.
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -23,8 +24,15 @@ SHIPPED = {"jaxaccum", "torch_ref", "bigbatch"}
 
 
 def test_the_wheel_holds_the_three_packages_and_they_stand_alone(tmp_path):
+    source = tmp_path / "source"  # a copy: setuptools builds in the tree it is given
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for package in SHIPPED:
+        shutil.copytree(ROOT / package, source / package,
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)]
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(source)]
     subprocess.run(build, check=True, timeout=600, capture_output=True)
     (wheel,) = tmp_path.glob("jaxaccum-*.whl")
     names = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}

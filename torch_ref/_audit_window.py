@@ -49,14 +49,11 @@ def audit_window(
 ) -> bigbatch.AuditReport:
     """Recovers how your loop weighs the items of each micro-batch and rank of one update.
 
-    .. math::
-
-       -\\frac{\\delta}{lr} = \\sum_c w_c\\, \\nabla_\\theta S_c + e, \\qquad
-       \\text{big batch: } w_c = \\frac{1}{N}
-
-    where ``delta`` is the parameter change your loop makes from the window,
-    ``S_c`` the reference summed loss of cell ``c`` and ``N`` the window's items;
-    a float64 least-squares fit over the cells with items (``bigbatch.audit_update``).
+    The twin of ``jaxaccum.audit.audit_window``: your loop's parameter change
+    ``delta`` is fitted as ``-delta / lr = sum_c w_c grad S_c + e`` over the cells
+    (``S_c`` the reference summed loss of cell ``c``; the big batch has
+    ``w_c = 1 / N``, ``N`` the window's items), in float64 over the cells with
+    items (``bigbatch.audit_update``).
 
     Args:
       window_fn: your code for ONE optimizer update, ``window_fn(model,
@@ -168,15 +165,9 @@ def _layout(loss_fn, model, batch, k, world_size, short_window) -> bigbatch.Cell
         whole = _loss_values(loss_fn, model, batch)
     row_losses, row_items = (np.array([float(r[j]) for r in rows]) for j in (0, 1))
     bigbatch.check_sums(float(whole[0]), float(whole[1]), row_losses, row_items)
-    layout = bigbatch.layout_rows(
-        row_items,
-        k=k,
-        num_devices=world_size,
-        short_window=short_window,
-        row_first_labels=bigbatch.first_labels_of(batch),
+    return bigbatch.audit_layout(
+        row_items, batch, k=k, num_devices=world_size, short_window=short_window
     )
-    bigbatch.check_layout(layout)
-    return layout
 
 
 # ---- running your loop --------------------------------------------------------------------------

@@ -5,8 +5,7 @@ from __future__ import annotations
 import _headlines  # examples/ is on the tests' path (pyproject.toml's pythonpath)
 import pytest
 
-# slow: minutes of compiling (`make test` only); the docs check reads the same run (one worker)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lessons")]
+pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 
 
 def test_train_25_updates():
