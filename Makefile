@@ -36,7 +36,7 @@ demo: $(STAMP)
 # workers; loadfile hands each test file to one worker, so a module's shared run (the parity
 # suite's, a checkpointed run's) is computed once.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not full"
 
 # The unit tests, about a minute on 2 cores (`slow` marks the rest), on 2 workers.
 test-fast: $(STAMP)
@@ -51,7 +51,7 @@ $(STAMP_LATEST): pyproject.toml constraints-latest.txt
 
 # Every test that does not need torch, on the newest JAX/Flax/NumPy (torch's skip).
 test-latest: $(STAMP_LATEST)
-	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadfile
+	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadfile -m "not full"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -65,6 +65,7 @@ parity: $(STAMP)
 # written into docs/trl-invariance.md (a few minutes on 2 cores).
 trl-audit: $(STAMP)
 	$(PY) -m parity_tests.trl_table --write docs/trl-invariance.md
+	$(PY) -m pytest -q -m full parity_tests/trl_table_test.py
 
 bench: $(STAMP)
 	$(PY) -m benchmarks --out docs/benchmarks.md

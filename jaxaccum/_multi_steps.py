@@ -9,9 +9,10 @@ boundary (reduce, normalize, clip, inner step, record, reset).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -173,8 +174,15 @@ class _Inner:
         return self.tx.update(window_grads, inner_state, params, **self.static, **dynamic)
 
 
+@contextlib.contextmanager
+def standard_numerics() -> Iterator[None]:
+    """JAX's default promotion rules (dtype and rank), for code that is not ours (optax)."""
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        yield
+
+
 def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """``tx`` with ``init`` and ``update`` under JAX's standard promotion rules.
+    """``tx`` with ``init`` and ``update`` under :func:`standard_numerics`.
 
     The inner optimizer is the user's code: optax's bias corrections mix a
     float and an int32 step, which a strict-promotion program refuses.
@@ -183,7 +191,7 @@ def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransf
 
     def under_standard(fn: Callable) -> Callable:
         def wrapped(*args, **kwargs):
-            with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+            with standard_numerics():
                 return fn(*args, **kwargs)
 
         return wrapped

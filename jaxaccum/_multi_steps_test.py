@@ -303,3 +303,17 @@ def test_causal_lm_counts_after_the_shift_and_matches_a_direct_sum():
 
     masked = losses.per_sample(jnp.array([1.0, 2.0, 4.0]), jnp.array([True, False, True]))
     assert (float(masked[0]), float(masked[1])) == (5.0, 2.0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_causal_lm_of_low_precision_logits_under_strict_promotion(dtype):
+    # the session's promotion is strict (conftest.py): bf16 logits failed there (the compute
+    # dtype came from jnp.promote_types); they are summed in float32, like float32 logits
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
+    labels = jnp.array([[3, 1, -100, 2, -100], [-100, -100, -100, -100, 4]])
+    low_sum, low_items = losses.causal_lm(jnp.asarray(logits, dtype), labels)
+    rounded = jnp.asarray(jnp.asarray(logits, dtype), jnp.float32)  # the same inputs in fp32
+    loss_sum, num_items = losses.causal_lm(rounded, labels)
+    assert low_sum.dtype == jnp.float32 and float(low_items) == float(num_items) == 3.0
+    np.testing.assert_allclose(float(low_sum), float(loss_sum), rtol=1e-6)  # fp32 arithmetic

@@ -27,8 +27,9 @@ def _token_losses(
             "losses: `logits` must be [..., T, vocab] and `labels` [..., T]; got"
             f" logits {logits.shape} and labels {labels.shape}."
         )
-    # at least float32 (bf16/fp16 logits are upcast; float64 stays float64)
-    compute_dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    # at least float32 (bf16/fp16 logits are upcast; float64 stays float64), chosen without
+    # jnp.promote_types, which strict dtype promotion refuses for bfloat16 and float64
+    compute_dtype = jnp.float64 if logits.dtype == jnp.float64 else jnp.float32
     shift_logits = logits[..., :-1, :].astype(compute_dtype)
     shift_labels = labels[..., 1:]
     valid = shift_labels != ignore_index

@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 import jaxaccum
@@ -48,15 +46,4 @@ def twin(
 def _loss_of_logits(unit: str) -> Callable:
     """``(logits, labels) -> (loss_sum, num_items)`` of the unit, from ``jaxaccum.losses``
     (in at least float32, and in float64 for float64 logits)."""
-    lfn = jaxaccum.losses.causal_lm if unit == "token" else jaxaccum.losses.causal_lm_per_sample
-
-    def loss(logits, labels):
-        if logits.dtype == jnp.float32:
-            return lfn(logits, labels)
-        # jaxaccum.losses picks its compute dtype with jnp.promote_types(logits.dtype, float32),
-        # which strict promotion refuses for float64 and bfloat16 logits (jaxaccum/losses.py,
-        # reported); standard promotion for this call only, the same numbers.
-        with jax.numpy_dtype_promotion("standard"):
-            return lfn(logits, labels)
-
-    return loss
+    return jaxaccum.losses.causal_lm if unit == "token" else jaxaccum.losses.causal_lm_per_sample

@@ -12,7 +12,8 @@ pytest.importorskip("torch", reason="needs torch: no CPU build for this Python h
 from parity_tests import docs_blocks, trl_table  # noqa: E402  (it imports torch_ref)
 
 
-@pytest.mark.slow  # 120 audits, 2 gloo ranks: a few minutes on 2 cores (make test only)
+@pytest.mark.slow
+@pytest.mark.full  # 120 audits, 2 gloo ranks, about 90 s on 2 cores: `make trl-audit` runs it
 def test_the_docs_table_is_the_one_the_code_produces():
     pytest.importorskip("datasets")
     pytest.importorskip("trl")

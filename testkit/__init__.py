@@ -22,7 +22,6 @@ and the skewed token windows of the unit tests (:func:`skewed_windows`, drawn by
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,32 +32,17 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import losses
+from jaxaccum import _multi_steps, losses
 from testkit.modes import AXIS, MODES, DataParallel, data_parallel, mode_for
 from tinygpt import data
 
 __all__ = ["AXIS", "MODES", "DataParallel", "data_parallel", "mode_for"]  # from testkit.modes
 
 
-@contextlib.contextmanager
-def standard_numerics() -> Iterator[None]:
-    """JAX's default promotion rules, for code that is not the project's (optax, flax)."""
-    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-        yield
-
-
-def standard(tx: optax.GradientTransformation) -> optax.GradientTransformation:
-    """``tx`` with its ``init`` and ``update`` run under :func:`standard_numerics`."""
-
-    def init(params):
-        with standard_numerics():
-            return tx.init(params)
-
-    def update(updates, state, params=None, **extra):
-        with standard_numerics():
-            return tx.update(updates, state, params, **extra)
-
-    return optax.GradientTransformationExtraArgs(init, update)
+# JAX's default promotion rules for code that is not the project's (optax, flax), in the
+# session's strict ones: the library's one helper (a context, and an optimizer wrapped in it)
+standard_numerics = _multi_steps.standard_numerics
+standard = _multi_steps.standard_promotion
 
 
 def max_abs_diff(a: Any, b: Any) -> float:

@@ -33,13 +33,15 @@ def test_the_wheel_holds_the_three_packages_and_they_stand_alone(tmp_path):
                         ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
     build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(source)]
-    subprocess.run(build, check=True, timeout=600, capture_output=True)
+    built = subprocess.run(build, timeout=600, capture_output=True, text=True)
+    assert built.returncode == 0, built.stdout + built.stderr
     (wheel,) = tmp_path.glob("jaxaccum-*.whl")
     names = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert {n for n in names if not n.endswith(".dist-info")} == SHIPPED
     site = tmp_path / "site"
     install = [*pip, "install", "--no-deps", "--target", str(site), str(wheel)]
-    subprocess.run(install, check=True, timeout=300, capture_output=True)
+    installed = subprocess.run(install, timeout=300, capture_output=True, text=True)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
     # -S: no site-packages processing, so neither the editable install nor the clone's .pth
     # file puts the repository on the path; the dependencies come from site-packages itself
     script = textwrap.dedent(f"""
