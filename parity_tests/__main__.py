@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     if wrong:
         print("FAIL: the audit misnamed " + "; ".join(wrong))
-    grpo_text, grpo_wrong = trl_table.demo(progress=not args.no_progress)
+    grpo_text, grpo_wrong = trl_table.demo()
     print()
     print(grpo_text)
     if grpo_wrong:

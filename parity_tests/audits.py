@@ -81,7 +81,9 @@ def audit_jax(name: str, fn: Callable, rows: tuple, devices: int, expected: str)
             return fn(*args)
 
     batch = {"input_ids": rows[0].astype(np.int32), "labels": rows[1].astype(np.int32)}
-    report = jaxaccum.audit.audit_window(loop, jax_loss, PARAMS, batch, k=K, num_devices=devices)
+    report = jaxaccum.audit.audit_window(  # run_audits shows one bar over the audits
+        loop, jax_loss, PARAMS, batch, k=K, num_devices=devices, progress=False
+    )
     return AuditRow("jax", name, devices, expected, report)
 
 
@@ -91,8 +93,9 @@ def audit_torch(name: str, rows: tuple, ranks: int = 1, short: bool = False) -> 
     batch = {"input_ids": rows[0], "labels": rows[1]}
     with torch_ref.one_cpu_thread():
         report = torch_ref.audit.audit_window(
-            loop, torch_loss, TORCH_MODEL, batch, k=K, world_size=ranks, short_window=short
-        )
+            loop, torch_loss, TORCH_MODEL, batch, k=K, world_size=ranks, short_window=short,
+            progress=False,
+        )  # fmt: skip
     return AuditRow("torch", f"torch_ref:{name}", ranks, name.replace("reference", "exact"), report)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import json
 import os
 from collections.abc import Sequence
@@ -167,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         every_rank: list[Any] = [None] * world_size
         dist.all_gather_object(every_rank, result.records)
     finally:
+        gc.collect()  # the run's DDP, in reference cycles, before the group (torch_ref.ddp)
         dist.destroy_process_group()
     if rank == 0:
         result.rank_records = every_rank
