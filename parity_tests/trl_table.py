@@ -30,15 +30,15 @@ import numpy as np
 
 import bigbatch
 from parity_tests import docs_blocks
-from torch_ref._audit_trl import (
+from torch_ref._audit_trl import audit_trl_grpo_cuts
+from torch_ref._audit_trl_cut import (
     LOSS_TYPES,
     MAX_COMPLETION_LENGTH,
     NUM_GENERATIONS,
     WINDOW_ROWS,
     GRPOCut,
-    GRPOInvarianceReport,
-    audit_trl_grpo_cuts,
 )
+from torch_ref._audit_trl_report import GRPOInvarianceReport
 
 ENTROPY_COEF = 0.5
 ENTROPY_LOSS_TYPES = ("grpo", "dapo")

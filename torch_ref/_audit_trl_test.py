@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from parity_tests import trl_table
-from torch_ref._audit_trl import check_cut
+from torch_ref._audit_trl_cut import check_cut
 from torch_ref.audit import GRPOCut, audit_trl_grpo, audit_trl_grpo_cuts
 
 # An invariant cut: float32 gradients added in another order, the update read back as
