@@ -4,8 +4,8 @@ GRPO-family trainers compute a per-token loss ``l_it`` (sequence ``i``, token
 ``t``) from the policy's log-probs, the log-probs that sampled the completions
 and the advantages (:func:`policy_token_loss`, in ``_policy_token_loss.py``, as
 ``GRPOTrainer._compute_loss`` does), and reduce it over a completion mask
-``m_it``. The reduction is the choice of a *loss unit*. TRL (``GRPOTrainer._compute_loss``) reduces one
-micro-batch of ``B`` sequences as::
+``m_it``. The reduction is the choice of a *loss unit*. TRL
+(``GRPOTrainer._compute_loss``) reduces one micro-batch of ``B`` sequences as::
 
     grpo, sapo           mean_i ( sum_t m_it l_it / sum_t m_it )          then / grad_accum
     bnpo                 sum_it m_it l_it / sum_it m_it  (LOCAL tokens)    then / grad_accum
