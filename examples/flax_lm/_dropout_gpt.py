@@ -26,6 +26,7 @@ def new_params(s) -> dict:
 
     Its keys are strings (``params["h"]["0"]``), as Orbax gives them back: the
     restored parameters are the same pytree, and the compiled micro-step is reused.
+    ``s``: the run's ``data_parallel.Settings`` (its ``seed`` draws the weights).
     """
     init = weights.init_state_dict(CONFIG, seed=s.seed)  # torch layout, float64
     str_keys = lambda t: {str(k): str_keys(v) for k, v in t.items()} if isinstance(t, dict) else t
