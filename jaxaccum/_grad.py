@@ -10,7 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum import _sharding
+from jaxaccum._check_batch import batch_split
+from jaxaccum._loss_scale import scaled_loss, unscaled_to_sum
 from jaxaccum._sharding import AxisName, Placement
+from jaxaccum._streams import is_key, own_streams
 
 
 def value_and_grad(
@@ -73,6 +76,7 @@ def value_and_grad(
     """
 
     def wrapped(params, *args, loss_scale: Any = None):
+        batch_split(args, axis_name)
         nnx = sys.modules.get("flax.nnx")
         if nnx is not None and isinstance(params, nnx.Module):
             return _nnx_value_and_grad(nnx, loss_fn, axis_name, params, args, loss_scale)
@@ -86,95 +90,6 @@ def value_and_grad(
         return values, grads
 
     return wrapped
-
-
-# -- fp16 loss scaling, sized like GradScaler's on a mean loss.
-
-
-def scaled_loss(loss_sum: jax.Array, num_items: Any, loss_scale: Any) -> jax.Array:
-    """What the backward pass differentiates: ``loss_sum`` times ``loss_scale / n``.
-
-    ``n`` (this micro-batch's items, at least 1, not differentiated) makes the
-    values in the low-precision backward pass the size of GradScaler's on a
-    mean loss: a summed loss's gradient is ``n`` times a mean's, and at the
-    same scale it would overflow about ``log2(n)`` windows longer.
-    ``loss_scale=None``: the summed loss as it is.
-    """
-    if loss_scale is None:
-        return loss_sum
-    return loss_sum * jax.lax.stop_gradient(_backward_factor(num_items, loss_scale, loss_sum))
-
-
-def unscaled_to_sum(grads: Any, num_items: Any, loss_scale: Any, loss_sum: jax.Array) -> Any:
-    """The gradient of :func:`scaled_loss` turned into that of ``loss_scale * loss_sum``.
-
-    Multiplied by ``loss_scale / factor`` (``factor`` as the backward pass used
-    it, in the loss's dtype) in float32 or wider: the summed loss's gradient,
-    ``n`` times a mean's, can exceed float16's range where the mean's did not.
-    An overflow of the backward pass stays inf and skips the window.
-    """
-    if loss_scale is None:
-        return grads
-    factor = _backward_factor(num_items, loss_scale, loss_sum)
-    wide = jnp.float64 if loss_sum.dtype == jnp.float64 else jnp.float32
-    undo = jnp.asarray(loss_scale, wide) / factor.astype(wide)
-
-    def to_sum(g):
-        g_wide = jnp.float64 if g.dtype == jnp.float64 else jnp.float32
-        return g.astype(g_wide) * undo.astype(g_wide)
-
-    return jax.tree.map(to_sum, grads)
-
-
-def _backward_factor(num_items: Any, loss_scale: Any, loss_sum: jax.Array) -> jax.Array:
-    """``loss_scale / max(n, 1)``, computed in float32 (or float64), in the loss's dtype."""
-    wide = jnp.float64 if loss_sum.dtype == jnp.float64 else jnp.float32
-    items = jnp.maximum(jnp.asarray(num_items).astype(wide), 1.0)
-    return (jnp.asarray(loss_scale, wide) / items).astype(loss_sum.dtype)
-
-
-# -- Randomness: each device its own stream.
-
-
-def own_streams(tree: Any, axis_name: AxisName | None) -> Any:
-    """Per device, every typed PRNG key in ``tree`` folded with the device's index.
-
-    ``loss_fn`` runs per device (a ``shard_map`` under ``jit``, or yours): a
-    replicated key would draw the same dropout mask on every device, where the
-    same step under plain ``jit`` draws distinct rows. Outside a per-device
-    context, or without ``axis_name``, ``tree`` is returned as it is.
-    """
-    if axis_name is None or _sharding.placement(axis_name) is not Placement.PER_DEVICE:
-        return tree
-    try:
-        index = jax.lax.axis_index(axis_name)
-    except NameError:  # the axis is not bound: not per device
-        return tree
-    _refuse_raw_keys(tree, axis_name, index)
-    fold = lambda x: jax.random.fold_in(x, index) if _is_key(x) else x
-    return jax.tree.map(fold, tree)
-
-
-def _is_key(x: Any) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _refuse_raw_keys(tree: Any, axis_name: AxisName, index: jax.Array) -> None:
-    """A raw ``uint32[2]`` key cannot be told from data: one that is the same on
-    every device (seen where JAX tracks it, with vma checking) is refused, rather
-    than draw one mask for every device."""
-    batch_axes = frozenset(_sharding.axes(axis_name))
-    if not batch_axes <= _sharding.varying_axes(index):
-        return  # no vma checking: replicated and per-device values look alike
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        raw = getattr(x, "dtype", None) == jnp.uint32 and jnp.shape(x) == (2,)
-        if raw and not batch_axes <= _sharding.varying_axes(x):
-            raise TypeError(
-                f"jaxaccum.value_and_grad: argument leaf {jax.tree_util.keystr(path)} is a"
-                " uint32[2] array, a raw PRNG key (jax.random.PRNGKey): per device it would"
-                " draw the same numbers on every device. Pass a typed key"
-                " (jax.random.key(seed)); each device then draws its own stream."
-            )
 
 
 def _differentiate(objective, params, args, axis_name):
@@ -244,7 +159,7 @@ def _nnx_value_and_grad(nnx, loss_fn, axis_name, model, args, loss_scale):
         module = nnx.merge(graphdef, params, own_streams(rest, axis_name))
         loss_sum, num_items = loss_fn(module, *own_streams(args, axis_name))
         new_rest = nnx.state(module, nnx.Not(nnx.Param))
-        new_rest = jax.tree.map(lambda new, old: old if _is_key(old) else new, new_rest, rest)
+        new_rest = jax.tree.map(lambda new, old: old if is_key(old) else new, new_rest, rest)
         return scaled_loss(loss_sum, num_items, loss_scale), ((loss_sum, num_items), new_rest)
 
     loss_scale = None if loss_scale is None else jnp.asarray(loss_scale, jnp.float32)

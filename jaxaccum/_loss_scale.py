@@ -1,8 +1,10 @@
-"""fp16 dynamic loss scaling per window: PyTorch ``GradScaler``'s schedule."""
+"""fp16 dynamic loss scaling: PyTorch ``GradScaler``'s schedule per window, and the backward
+pass's scale, sized like GradScaler's on a mean loss."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -96,3 +98,48 @@ def next_loss_scale(
     new_scale = jnp.where(overflow, scale * config.backoff_factor, new_scale)
     new_tracker = jnp.where(overflow | grow, 0, tracker)
     return new_scale.astype(jnp.float32), new_tracker.astype(jnp.int32)
+
+
+# -- The backward pass's scale, sized like GradScaler's on a mean loss.
+
+
+def scaled_loss(loss_sum: jax.Array, num_items: Any, loss_scale: Any) -> jax.Array:
+    """What the backward pass differentiates: ``loss_sum`` times ``loss_scale / n``.
+
+    ``n`` (this micro-batch's items, at least 1, not differentiated) makes the
+    values in the low-precision backward pass the size of GradScaler's on a
+    mean loss: a summed loss's gradient is ``n`` times a mean's, and at the
+    same scale it would overflow about ``log2(n)`` windows longer.
+    ``loss_scale=None``: the summed loss as it is.
+    """
+    if loss_scale is None:
+        return loss_sum
+    return loss_sum * jax.lax.stop_gradient(_backward_factor(num_items, loss_scale, loss_sum))
+
+
+def unscaled_to_sum(grads: Any, num_items: Any, loss_scale: Any, loss_sum: jax.Array) -> Any:
+    """The gradient of :func:`scaled_loss` turned into that of ``loss_scale * loss_sum``.
+
+    Multiplied by ``loss_scale / factor`` (``factor`` as the backward pass used
+    it, in the loss's dtype) in float32 or wider: the summed loss's gradient,
+    ``n`` times a mean's, can exceed float16's range where the mean's did not.
+    An overflow of the backward pass stays inf and skips the window.
+    """
+    if loss_scale is None:
+        return grads
+    factor = _backward_factor(num_items, loss_scale, loss_sum)
+    wide = jnp.float64 if loss_sum.dtype == jnp.float64 else jnp.float32
+    undo = jnp.asarray(loss_scale, wide) / factor.astype(wide)
+
+    def to_sum(g):
+        g_wide = jnp.float64 if g.dtype == jnp.float64 else jnp.float32
+        return g.astype(g_wide) * undo.astype(g_wide)
+
+    return jax.tree.map(to_sum, grads)
+
+
+def _backward_factor(num_items: Any, loss_scale: Any, loss_sum: jax.Array) -> jax.Array:
+    """``loss_scale / max(n, 1)``, computed in float32 (or float64), in the loss's dtype."""
+    wide = jnp.float64 if loss_sum.dtype == jnp.float64 else jnp.float32
+    items = jnp.maximum(jnp.asarray(num_items).astype(wide), 1.0)
+    return (jnp.asarray(loss_scale, wide) / items).astype(loss_sum.dtype)

@@ -1,0 +1,127 @@
+"""A batch that is not split over ``axis_name`` is refused, on every route that has one.
+
+With ``axis_name`` the loss runs per device on the device's rows; a numpy batch
+or ``device_put(batch, P())`` would hand every device the whole batch, and the
+window's items would read R times the truth (3032 for 379 on 8 devices, in the
+run that found it). ``jaxaccum.value_and_grad`` refuses it under plain
+``jit``, ``shard_map`` and Flax NNX, naming the argument and the fix.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
+
+DEVICES = 4
+K = 2
+FIX = "jax.device_put(batch, P('data'))"
+
+
+def loss_fn(params, batch):
+    return jnp.sum(batch["m"] * (batch["x"] @ params["w"])[:, 0] ** 2), jnp.sum(batch["m"])
+
+
+def make_params() -> dict:
+    return {"w": np.linspace(-1, 1, 6, dtype=np.float32).reshape(3, 2)}
+
+
+def make_batch() -> dict:
+    rng = np.random.default_rng(0)
+    mask = (rng.random(8) < 0.7).astype(np.float32)
+    return {"x": rng.normal(size=(8, 3)).astype(np.float32), "m": mask}
+
+
+def jit_step(tx):
+    @jax.jit
+    def step(params, state, batch):
+        (loss_sum, num_items), grads = jaxaccum.value_and_grad(loss_fn, axis_name="data")(
+            params, batch
+        )
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+@pytest.mark.parametrize("place", ["numpy", "replicated"])
+def test_plain_jit_refuses_a_batch_not_split(place):
+    mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
+    tx = jaxaccum.multi_steps(optax.sgd(0.1), K, axis_name="data")
+    with jax.set_mesh(mesh):
+        params = jax.device_put(make_params(), P())
+        state = tx.init(params)
+        batch = make_batch() if place == "numpy" else jax.device_put(make_batch(), P())
+        with pytest.raises(ValueError, match="not split over the batch axis 'data'") as error:
+            jit_step(tx)(params, state, batch)
+        assert FIX in str(error.value) and "counted 4 times" in str(error.value)
+        assert "args[0]['x']" in str(error.value)  # the argument, by its path
+
+
+def test_plain_jit_counts_a_split_batch_once():
+    mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
+    tx = jaxaccum.multi_steps(optax.sgd(0.1), K, axis_name="data")
+    with jax.set_mesh(mesh):
+        params = jax.device_put(make_params(), P())
+        state = tx.init(params)
+        batch = jax.device_put(make_batch(), P("data"))
+        for _ in range(K):
+            params, state = jit_step(tx)(params, state, batch)
+    # the window's items: the mask's ones of K micro-batches, exact in float32
+    assert float(jaxaccum.window_metrics(state).window_items) == K * make_batch()["m"].sum()
+
+
+def test_shard_map_refuses_a_batch_not_split():
+    mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
+    tx = jaxaccum.multi_steps(optax.sgd(0.1), K, axis_name="data")
+    specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, make_params()), "data")
+
+    def per_device(params, state, batch):
+        (loss_sum, num_items), grads = jaxaccum.value_and_grad(loss_fn, axis_name="data")(
+            params, batch
+        )
+        return tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
+
+    init = jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs)
+    state = jax.jit(init)(make_params())
+    mapped = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), specs, P()),
+                           out_specs=(P(), specs))  # fmt: skip
+    with pytest.raises(ValueError, match="not split over the batch axis 'data'") as error:
+        jax.jit(mapped)(make_params(), state, make_batch())
+    assert "in_specs=P('data')" in str(error.value)
+
+
+class Linear(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.asarray(make_params()["w"]))
+
+    def __call__(self, x):
+        return x @ self.w[...]
+
+
+def nnx_loss(model, batch):
+    return jnp.sum(batch["m"] * model(batch["x"])[:, 0] ** 2), jnp.sum(batch["m"])
+
+
+def test_nnx_refuses_a_batch_not_split():
+    mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
+    with jax.set_mesh(mesh):
+        model = Linear()
+        tx = jaxaccum.multi_steps(optax.sgd(0.1), K, axis_name="data")
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def micro_step(model, optimizer, batch):
+            (loss_sum, num_items), grads = jaxaccum.value_and_grad(nnx_loss, axis_name="data")(
+                model, batch
+            )
+            optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
+
+        with pytest.raises(ValueError, match="not split over the batch axis 'data'") as error:
+            micro_step(model, optimizer, jax.device_put(make_batch(), P()))
+        assert FIX in str(error.value)
+        micro_step(model, optimizer, jax.device_put(make_batch(), P("data")))  # split: runs
