@@ -18,11 +18,16 @@ accumulator)``) weighs the cells ``(r, m)`` of micro-batch ``m``, in units of ``
 micro-batch's share is cut to: the largest norm of a fitted share ``sum_r w_rm G_rm / N``
 (an unclipped micro-batch's is below ``c``). Clipping the summed-loss gradient to ``c'``
 before dividing by ``N`` (lesson 5's ``optax.chain``) is the same form with ``c = c' / N``.
+Before their clip the micro-batches may be weighed by another form than the big batch's
+(``optax.chain(clip_by_global_norm(c), optax.MultiSteps(...))`` clips each micro-batch's
+MEAN: a mean of means, clipped): the share is then ``sum_r b_rm G_rm / N`` with ``b`` that
+form's weights, and the audit tries the forms in their order (the big batch's first).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -87,36 +92,89 @@ def window_clipped(
     return tuple((name, scale) for name, scale, _ in found)
 
 
+class MicroBatchClip(NamedTuple):
+    """``clipped_per_micro_batch`` fitted to a loop's weights.
+
+    Attributes:
+      base: the form each micro-batch is weighed by before its clip (``exact``: its
+        share of the big batch).
+      weights: ``[R, k_window]`` the form's weights (NaN where a cell is empty).
+      clipped_to: ``c``, the norm each clipped micro-batch's share is cut to.
+      error: the largest relative error of the fitted weights against ``weights``.
+    """
+
+    base: str
+    weights: np.ndarray
+    clipped_to: float
+    error: float
+
+
 def micro_batch_clipped(
-    weights: np.ndarray, layout: CellLayout, products: CellProducts
+    weights: np.ndarray, layout: CellLayout, products: CellProducts, forms: tuple[str, ...]
+) -> MicroBatchClip:
+    """``clipped_per_micro_batch`` on the first base form of ``forms`` that fits the weights
+    (the closest if none does): :func:`clipped_weights` of each.
+
+    Example:
+      >>> from bigbatch import cell_products, layout_rows
+      >>> layout = layout_rows(np.array([1.0, 3.0]), k=2, num_devices=1)  # N = 4
+      >>> grads = [np.array([10.0, 0.0]), np.array([0.0, 3.0])]  # |g_m| = 2.5 and 0.75
+      >>> products = cell_products(lambda r, m: [grads[m]], [np.array([-0.25, -0.25])],
+      ...                          layout, learning_rate=1.0, progress=False)
+      >>> fit = micro_batch_clipped(np.array([[0.1, 1 / 3]]), layout, products, ("exact",))
+      >>> fit.base, fit.clipped_to, fit.weights.round(4).tolist()  # both cut to norm 0.25
+      ('exact', 0.25, [[0.1, 0.3333]])
+    """
+    fits = []
+    for base in forms:
+        expected, clipped_to = clipped_weights(weights, layout, products, base)
+        full = layout.items > 0
+        error = float(np.max(np.abs(weights[full] / expected[full] - 1)))
+        fits.append(MicroBatchClip(base, expected, clipped_to, error))
+        if error <= WEIGHT_RTOL:
+            return fits[-1]
+    return min(fits, key=lambda fit: fit.error)
+
+
+def clipped_weights(
+    weights: np.ndarray, layout: CellLayout, products: CellProducts, base: str
 ) -> tuple[np.ndarray, float]:
-    """``clipped_per_micro_batch``'s weights for these fitted ones, and their ``c``.
+    """``clipped_per_micro_batch``'s weights on the form ``base`` for these fitted weights, and ``c``.
 
     .. math::
 
-       \\frac{w_{rm}}{1/N} = \\min\\left(1, \\frac{c}{|g_m|}\\right),\\quad
-       |g_m|^2 = \\frac{1}{N^2} \\sum_{c, c' \\in m} A_{c c'},\\quad
-       c = \\max_m \\frac{|\\sum_r w_{rm} G_{rm}|}{N}
+       w_{rm} = b_{rm} \\min\\left(1, \\frac{c}{|g_m|}\\right),\\quad
+       |g_m|^2 = \\frac{b_m^T A_{mm} b_m}{N^2},\\quad
+       c = \\max_m \\frac{\\sqrt{w_m^T A_{mm} w_m}}{N}
+
+    with ``b`` the base form's weights and ``A_mm`` the Gram matrix of micro-batch
+    ``m``'s cells (a micro-batch's share is ``sum_r b_rm G_rm / N``).
 
     Args:
       weights: ``[R, k_window]`` fitted weights in units of ``1/N`` (NaN where empty).
       layout: the cells.
       products: the cells' Gram matrix (``products.gram``, cells in ``products.cells`` order).
+      base: the form the micro-batches are weighed by before the clip.
 
     Returns:
       ``(weights [R, k_window] with NaN where empty, c)``.
     """
     total = float(layout.items.sum())
-    fitted = weights[tuple(products.cells.T)]
-    shares, clipped_shares = {}, {}
+    cells = tuple(products.cells.T)
+    fitted, before = weights[cells], expected_weights(base, layout)[cells]
+    expected = np.full(layout.items.shape, np.nan)
+    norms, clipped_norms = {}, {}
     for m in np.unique(products.cells[:, 1]):
         mine = products.cells[:, 1] == m
         block = products.gram[np.ix_(mine, mine)]
-        shares[m] = math.sqrt(max(float(block.sum()), 0.0)) / total  # |g_m|
-        share = fitted[mine] @ block @ fitted[mine]
-        clipped_shares[m] = math.sqrt(max(float(share), 0.0)) / total  # |sum_r w_rm G_rm| / N
-    clipped_to = max(clipped_shares.values())
-    expected = np.full(layout.items.shape, np.nan)
-    for (r, m), _ in zip(products.cells, fitted, strict=True):
-        expected[r, m] = min(1.0, clipped_to / shares[m]) if shares[m] > 0 else np.nan
+        norms[m] = _norm(before[mine], block) / total  # |g_m|, the share before the clip
+        clipped_norms[m] = _norm(fitted[mine], block) / total  # as the loop applied it
+    clipped_to = max(clipped_norms.values())
+    for (r, m), b in zip(products.cells, before, strict=True):
+        expected[r, m] = b * min(1.0, clipped_to / norms[m]) if norms[m] > 0 else np.nan
     return expected, clipped_to
+
+
+def _norm(weights: np.ndarray, gram: np.ndarray) -> float:
+    """``|sum_c w_c G_c|`` from the Gram matrix of the ``G_c``."""
+    return math.sqrt(max(float(weights @ gram @ weights), 0.0))

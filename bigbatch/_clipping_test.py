@@ -95,7 +95,7 @@ def test_each_micro_batch_clipped_by_its_norm_is_its_own_form(num_devices):
     weights[full] = np.minimum(1.0, c / np.broadcast_to(shares, layout.items.shape)[full])
     report = run(layout, grads, weights)
     assert report.verdict == "clipped_per_micro_batch" and not report.passed, report
-    assert abs(report.clipped_to - c) <= RTOL * c
+    assert report.clip_base == "exact" and abs(report.clipped_to - c) <= RTOL * c
     np.testing.assert_allclose(report.verdict_weights, weights, rtol=RTOL)
     assert report.form_errors["clipped_per_micro_batch"] <= RTOL
     clipped = [m for m in range(4) if shares[m] > c]
@@ -103,6 +103,26 @@ def test_each_micro_batch_clipped_by_its_norm_is_its_own_form(num_devices):
     assert "fix: clip the window's gradient once" in str(report)
     report = run(layout, grads, weights, max_grad_norm=c)
     assert report.clip_kept and "= the max_grad_norm you passed" in str(report)
+
+
+def test_micro_batch_means_clipped_each_are_a_mean_of_means_clipped_per_micro_batch():
+    # optax.chain(clip_by_global_norm(c), optax.MultiSteps(...)) fed each micro-batch's mean
+    layout, grads = window(4, 1, seed=2)
+    total = layout.items.sum()
+    mean_of_means = bigbatch.form_weights("mean_of_means", layout.items, k=4)[0]
+    shares = np.array(
+        [
+            norm(mean_of_means[m] * grads[0, m] / total) if layout.items[0, m] else 0
+            for m in range(4)
+        ]
+    )  # the micro-batches' shares of the mean of means, |sum_r b_rm G_rm| / N
+    c = float(np.sort(shares[shares > 0])[:2].mean())  # one added whole, two clipped
+    with np.errstate(divide="ignore", invalid="ignore"):
+        weights = mean_of_means * np.minimum(1.0, c / shares)
+    report = run(layout, grads, weights[None])
+    assert report.verdict == "clipped_per_micro_batch" and report.clip_base == "mean_of_means"
+    assert abs(report.clipped_to - c) <= RTOL * c
+    assert "before the clip, a mean_of_means" in str(report), report
 
 
 def test_per_micro_batch_clipping_needs_two_micro_batches():

@@ -42,6 +42,7 @@ class _Verdict(NamedTuple):
     weights: np.ndarray | None = None  # the verdict's weights (its form's, as clipped)
     clip_scale: float = 1.0
     clipped_to: float | None = None
+    clip_base: str | None = None  # clipped per micro-batch: the form before the clip
 
 
 def audit_update(
@@ -102,13 +103,13 @@ def audit_update(
     rounding = params_rounding / (learning_rate * big_batch) if big_batch > 0 else math.inf
     check_precision(rounding, learning_rate)
     weights, residual = _fit(products, layout.items)
-    per_micro_batch = None  # clipped_per_micro_batch's weights and c, where it can be told
+    per_micro_batch = None  # clipped_per_micro_batch, where it can be told from the window's
     if layout.k_window >= 2 and 0 < products.update_norm < math.inf:
-        per_micro_batch = micro_batch_clipped(weights, layout, products)
+        per_micro_batch = micro_batch_clipped(weights, layout, products, forms)
     with np.errstate(invalid="ignore"):
         errors = {name: _form_error(weights, expected_weights(name, layout)) for name in forms}
-        if per_micro_batch is not None:
-            errors[CLIPPED_PER_MICRO_BATCH] = _form_error(weights, per_micro_batch[0])
+    if per_micro_batch is not None:
+        errors[CLIPPED_PER_MICRO_BATCH] = per_micro_batch.error
     verdict = _verdict(weights, errors, forms, layout, products.update_norm, residual,
                        max_grad_norm, per_micro_batch)  # fmt: skip
     full = layout.items > 0
@@ -133,6 +134,7 @@ def audit_update(
         verdict_weights=verdict.weights,
         clip_scale=verdict.clip_scale,
         clipped_to=verdict.clipped_to,
+        clip_base=verdict.clip_base,
         grad_norm=products.update_norm / verdict.clip_scale,
         max_grad_norm=max_grad_norm,
         clip_tolerance=CLIP_RTOL,
@@ -161,10 +163,9 @@ def _verdict(
         name, scale = clipped[0]
         scaled = scale * expected_weights(name, layout)
         return _Verdict(name, tuple(n for n, _ in clipped), scaled, scale, applied)
-    if errors.get(CLIPPED_PER_MICRO_BATCH, math.inf) <= WEIGHT_RTOL:
-        expected, clipped_to = per_micro_batch
-        name = CLIPPED_PER_MICRO_BATCH
-        return _Verdict(name, (name,), expected, 1.0, clipped_to)
+    if per_micro_batch is not None and per_micro_batch.error <= WEIGHT_RTOL:
+        name, fit = CLIPPED_PER_MICRO_BATCH, per_micro_batch
+        return _Verdict(name, (name,), fit.weights, 1.0, fit.clipped_to, fit.base)
     return _Verdict(UNKNOWN, ())
 
 

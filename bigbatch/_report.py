@@ -83,6 +83,8 @@ class AuditReport(WindowShape):
       clip_tolerance: the largest relative difference between ``clipped_to`` (or
         an unclipped ``grad_norm`` below it) and ``max_grad_norm`` that counts as
         equal (``CLIP_RTOL``).
+      clip_base: ``clipped_per_micro_batch`` only: the form each micro-batch is
+        weighed by before its clip (``"exact"``: its share of the big batch).
     """
 
     verdict: str
@@ -107,6 +109,7 @@ class AuditReport(WindowShape):
     grad_norm: float = math.nan
     max_grad_norm: float | None = None
     clip_tolerance: float = CLIP_RTOL
+    clip_base: str | None = None
 
     @property
     def passed(self) -> bool:

@@ -149,11 +149,15 @@ def _clip_notes(report: AuditReport) -> list[str]:
         weights = report.verdict_weights
         cut = [m for m in range(report.k_window) if np.any(weights[:, m] < 1.0)]
         whole = len(cut) < report.k_window
-        return [
+        base = report.clip_base
+        notes = [
             f"micro-batches {', '.join(map(str, cut))} clipped to c = {report.clipped_to:#.4g}"
             f" each (the norm of its share of the gradient{threshold})"
             + ("; the others, below c, added whole" if whole else "")
         ]
+        if base != EXACT:
+            notes.append(f"before the clip, a {base}: {WHAT_IT_DOES[base]}; fix: {FIXES[base]}")
+        return notes
     if report.verdict == UNKNOWN or report.max_grad_norm is None:
         return []
     side = "below" if report.grad_norm <= report.max_grad_norm else "above"
