@@ -111,9 +111,10 @@ class MicroBatchClip(NamedTuple):
 
 def micro_batch_clipped(
     weights: np.ndarray, layout: CellLayout, products: CellProducts, forms: tuple[str, ...]
-) -> MicroBatchClip:
+) -> MicroBatchClip | None:
     """``clipped_per_micro_batch`` on the first base form of ``forms`` that fits the weights
-    (the closest if none does): :func:`clipped_weights` of each.
+    (the closest if none does): :func:`clipped_weights` of each. A base whose fit clips no
+    micro-batch is that form itself, not this one: None if every base is such.
 
     Example:
       >>> from bigbatch import cell_products, layout_rows
@@ -126,14 +127,17 @@ def micro_batch_clipped(
       ('exact', 0.25, [[0.1, 0.3333]])
     """
     fits = []
+    full = layout.items > 0
     for base in forms:
         expected, clipped_to = clipped_weights(weights, layout, products, base)
-        full = layout.items > 0
+        before = expected_weights(base, layout)
+        if not np.any(expected[full] < (1 - WEIGHT_RTOL) * before[full]):
+            continue  # nothing clipped
         error = float(np.max(np.abs(weights[full] / expected[full] - 1)))
         fits.append(MicroBatchClip(base, expected, clipped_to, error))
         if error <= WEIGHT_RTOL:
             return fits[-1]
-    return min(fits, key=lambda fit: fit.error)
+    return min(fits, key=lambda fit: fit.error, default=None)
 
 
 def clipped_weights(
