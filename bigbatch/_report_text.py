@@ -155,6 +155,14 @@ def _clip_notes(report: AuditReport) -> list[str]:
             f" each (the norm of its share of the gradient{threshold})"
             + ("; the others, below c, added whole" if whole else "")
         ]
+        summed = report.clipped_to * report.items.sum()  # c N: the threshold before / N
+        if report.clip_kept is False and abs(summed - report.max_grad_norm) <= (
+            report.clip_tolerance * report.max_grad_norm
+        ):
+            notes.append(
+                "c N is the max_grad_norm you passed: each micro-batch's SUMMED gradient was"
+                " clipped to it, before the division by the window's N"
+            )
         if base != EXACT:
             notes.append(f"before the clip, a {base}: {WHAT_IT_DOES[base]}; fix: {FIXES[base]}")
         return notes
