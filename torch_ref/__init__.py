@@ -27,7 +27,8 @@ Modules::
                     rank (bigbatch's fit and report; the twin of jaxaccum.audit);
                     audit_invariance, audit_trl_grpo: is the update the same for every cut?
                     (_audit_window.py, _audit_trainer.py, _audit_invariance.py,
-                    _audit_trl.py; _trainer_runs.py runs a Trainer for one update)
+                    _audit_trl.py; _audit_loop.py runs your loop for one update,
+                    here or on gloo ranks; _trainer_runs.py runs a Trainer so)
     _audit_trl*.py  audit_trl_grpo (_audit_trl.py): the cut and its checks (_cut), the rows
                     and the tiny GPT-2 (_rows), TRL's recording trainer (_trainer), the
                     report (_report)
