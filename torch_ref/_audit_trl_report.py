@@ -104,7 +104,7 @@ def cut_report(
     ]
     report = bigbatch.invariance_report(
         [cut.name], deltas[0], [deltas[1]], row_items=np.tile(tokens, len(grads) // len(rows)),
-        row_grad=grads.__getitem__, progress=progress,
+        row_grad=grads.__getitem__, progress=progress, learning_rate=LEARNING_RATE,
     )  # fmt: skip
     big = [-LEARNING_RATE / tokens.sum() * sum(leaves) for leaves in zip(*grads, strict=True)]
     return GRPOInvarianceReport(
