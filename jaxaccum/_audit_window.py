@@ -138,10 +138,35 @@ def _update(window_fn, params, batch, layout, learning_rate, **window_kwargs) ->
         jax.tree.map(lambda x, m=m: x[layout.microbatch_rows(m)], batch)
         for m in range(layout.k_window)
     ]
-    new_params = window_fn(params, microbatches, optax.sgd(learning_rate), **window_kwargs)
+    reference = jax.tree.leaves(params)
+    own = jax.tree.map(lambda x: jnp.array(x, copy=True), params)  # the loop's to change
+    new_params = window_fn(own, microbatches, optax.sgd(learning_rate), **window_kwargs)
+    del own
+    _check_untouched(params, reference)
     new_leaves = jax.tree.leaves(_check_new_params(new_params, params))
     del new_params
-    return bigbatch.parameter_change(new_leaves, jax.tree.leaves(params))
+    return bigbatch.parameter_change(new_leaves, reference)
+
+
+def _check_untouched(params: Any, reference: list) -> None:
+    """The audit's starting point is still the one it measures from.
+
+    ``window_fn`` gets its own copy of ``params``; a loop that still reaches the
+    audit's arrays (a model object sharing them, a donated buffer) would move
+    the point every change is measured from.
+    """
+    leaves = jax.tree.leaves(params)
+    moved = len(leaves) != len(reference) or any(a is not b for a, b in zip(leaves, reference))
+    deleted = any(getattr(x, "is_deleted", lambda: False)() for x in reference)
+    if moved or deleted:
+        raise ValueError(
+            "window_fn: it changed the audit's own `params` (the parameters every change is"
+            f" measured from were {'deleted: donated' if deleted else 'replaced in place'})."
+            " window_fn receives a copy of params: update that copy and return the new"
+            " parameters, without touching the object passed to the audit (with Flax NNX,"
+            " merge the copy it receives, nnx.merge(graphdef, params), rather than reuse a"
+            " model that shares its variables with params)."
+        )
 
 
 @functools.partial(jax.jit, static_argnums=0)

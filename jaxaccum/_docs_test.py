@@ -56,3 +56,10 @@ def test_readme_jit_and_checkpoint_blocks_run():
     printed = run_blocks(blocks, "README.md (jit, checkpoint)").strip().splitlines()
     # 8 micro-steps of k = 4; then a third window saved half-way, finished on 2 devices
     assert printed[-2:] == ["updates: 2", "updates: 3"]
+
+
+def test_audit_doc_nnx_recipe_runs_as_written():
+    blocks = code_blocks(ROOT / "docs" / "audit.md", "test: nnx audit")
+    assert len(blocks) == 1
+    printed = run_blocks(blocks, "docs/audit.md (nnx audit)").strip()
+    assert printed.startswith("PASSED, exact"), printed
