@@ -73,8 +73,8 @@ def test_an_nnx_loop_that_merges_the_params_it_receives_is_exact():
                                          progress=False)  # fmt: skip
     assert report.verdict == "exact" and report.passed, report.summary()
     # the audit's own parameters did not move (bitwise: nothing wrote them)
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params),
-                                                    jax.tree.leaves(before)))  # fmt: skip
+    pairs = zip(jax.tree.leaves(params), jax.tree.leaves(before), strict=True)
+    assert all(np.array_equal(a, b) for a, b in pairs)
 
 
 def test_a_loop_that_trains_the_model_sharing_params_is_refused():

@@ -156,7 +156,8 @@ def _check_untouched(params: Any, reference: list) -> None:
     the point every change is measured from.
     """
     leaves = jax.tree.leaves(params)
-    moved = len(leaves) != len(reference) or any(a is not b for a, b in zip(leaves, reference))
+    same = len(leaves) == len(reference)
+    moved = not same or any(a is not b for a, b in zip(leaves, reference, strict=True))
     deleted = any(getattr(x, "is_deleted", lambda: False)() for x in reference)
     if moved or deleted:
         raise ValueError(
