@@ -63,3 +63,10 @@ def test_audit_doc_nnx_recipe_runs_as_written():
     assert len(blocks) == 1
     printed = run_blocks(blocks, "docs/audit.md (nnx audit)").strip()
     assert printed.startswith("PASSED, exact"), printed
+
+
+def test_audit_doc_adam_noise_block_prints_what_it_says():
+    blocks = code_blocks(ROOT / "docs" / "audit.md", "test: adam noise")
+    assert len(blocks) == 1
+    printed = run_blocks(blocks, "docs/audit.md (adam noise)").strip().splitlines()
+    assert printed == ["gradient +3e-08: step -0.75 x lr", "gradient -2e-08: step +0.67 x lr"]
