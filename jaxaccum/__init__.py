@@ -8,7 +8,7 @@ divide once. The math is in ``docs/math.md`` and ``jaxaccum/_normalize.py``.
 from jaxaccum import audit, losses
 from jaxaccum._accumulate import accumulate_gradients
 from jaxaccum._grad import value_and_grad
-from jaxaccum._inspect import has_updated, loss_scale, window_metrics
+from jaxaccum._inspect import WindowLog, has_updated, loss_scale, window_metrics
 from jaxaccum._loss_scale import DynamicLossScale
 from jaxaccum._multi_steps import multi_steps
 from jaxaccum._normalize import WindowTotals, normalize_window
@@ -20,6 +20,7 @@ __all__ = [
     "DynamicLossScale",
     "MultiStepsState",
     "SkipReason",
+    "WindowLog",
     "WindowMetrics",
     "WindowTotals",
     "accumulate_gradients",

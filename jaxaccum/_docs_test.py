@@ -33,7 +33,7 @@ def run_blocks(blocks: list[str], name: str) -> str:
 
 def test_data_parallel_doc_runs_and_prints_its_layouts():
     blocks = code_blocks(ROOT / "docs" / "data-parallel.md")
-    assert len(blocks) == 9
+    assert len(blocks) == 10
     printed = run_blocks(blocks, "docs/data-parallel.md").splitlines()
     assert printed == [
         "updates: 2",  # 8 micro-steps, k = 4
@@ -45,6 +45,8 @@ def test_data_parallel_doc_runs_and_prints_its_layouts():
         "saved after 2 of 4; item rows: (4,)",  # mid-window, on the host
         "resumed at micro-step 2",
         "on 2 devices: 2 rows; updates: 1",  # the window finished on the new mesh
+        "checkpoints: [3, 6]",  # every 3rd micro-step, the last 2 kept
+        "restored micro-step 6 on 2 devices: 2 of the window's 4 done",  # mid-window
     ]
 
 

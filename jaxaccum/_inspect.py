@@ -4,11 +4,13 @@ Each helper accepts the state of :func:`jaxaccum.multi_steps` or any
 optimizer state holding exactly one of it (inside ``optax.chain``, or
 ``flax.nnx.Optimizer.opt_state``, whose leaves are ``nnx.OptArray``
 variables), and returns plain ``jax.Array`` values, eagerly and under
-``jit``/``nnx.jit``.
+``jit``/``nnx.jit``. :class:`WindowLog` hands the records of the windows that
+closed to a logger, as plain numbers, without waiting on any step.
 """
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import jax
@@ -80,3 +82,54 @@ def window_metrics(opt_state: Any) -> WindowMetrics:
     """
     record = _find_state(opt_state, "window_metrics").last_window
     return WindowMetrics(*(_array(field) for field in record))
+
+
+class WindowLog:
+    """The records of closed windows for a logger, read without a host sync per step.
+
+    ``bool(has_updated(state))`` after every micro-step waits for that step to
+    finish, which stalls JAX's asynchronous dispatch. :meth:`add` keeps the
+    last window's record (a few scalars, their copy to the host started) and
+    returns, as plain numbers (:meth:`WindowMetrics.to_python`), the records
+    of windows that closed since the last one returned and that are ready
+    now: it never waits. Each closed window is returned once, applied or
+    skipped (it moves ``update_id`` or ``skip_count``).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxaccum
+      >>> tx = jaxaccum.multi_steps(optax.sgd(1.0), every_k_schedule=2)
+      >>> params = {'w': jnp.zeros(2)}
+      >>> state, log, logged = tx.init(params), jaxaccum.WindowLog(), []
+      >>> for step in range(4):
+      ...     _, state = tx.update({'w': jnp.ones(2)}, state, params, num_items=2, loss_sum=1.0)
+      ...     logged += log.add(state)  # whatever is ready; never waits
+      >>> logged += log.flush()  # the end of training: wait for the rest
+      >>> [(r["update_id"], r["window_items"], r["loss"]) for r in logged]
+      [(1, 4.0, 0.5), (2, 4.0, 0.5)]
+    """
+
+    def __init__(self) -> None:
+        self._pending: collections.deque[WindowMetrics] = collections.deque()
+        self._last = (0, 0)  # (update_id, skip_count) of the last window returned
+
+    def add(self, opt_state: Any) -> list[dict[str, float | int | bool]]:
+        """Keeps this state's record; returns the new closed windows' records that are ready."""
+        record = window_metrics(opt_state)
+        for x in record:
+            x.copy_to_host_async()
+        self._pending.append(record)
+        return self._ready(wait=False)
+
+    def flush(self) -> list[dict[str, float | int | bool]]:
+        """Waits for every record kept; returns the new closed windows' records."""
+        return self._ready(wait=True)
+
+    def _ready(self, wait: bool) -> list[dict[str, float | int | bool]]:
+        out = []
+        while self._pending and (wait or all(x.is_ready() for x in self._pending[0])):
+            record = self._pending.popleft().to_python()
+            closed = (record["update_id"], record["skip_count"])
+            if closed != self._last:
+                self._last = closed
+                out.append(record)
+        return out

@@ -51,6 +51,27 @@ class WindowMetrics(NamedTuple):
     skip_reason: jax.Array
     loss_scale: jax.Array
 
+    def to_python(self) -> dict[str, float | int | bool]:
+        """The record as plain Python numbers, for a logger: one transfer of all fields.
+
+        Counters come back as ``int``, ``skipped`` as ``bool``, the rest as ``float``.
+        Reading them waits for the step that made them; :class:`jaxaccum.WindowLog`
+        reads them once they are ready instead.
+        """
+        host = jax.device_get([_one_copy(x) for x in self])
+        return {
+            name: _PYTHON_TYPE.get(name, float)(value.item())
+            for name, value in zip(self._fields, host, strict=True)
+        }
+
+
+_PYTHON_TYPE = dict(micro_step=int, update_id=int, skip_count=int, skip_reason=int, skipped=bool)
+
+
+def _one_copy(x: Any) -> Any:
+    """A replicated value's copy on this process's first device (multi-host too)."""
+    return x.addressable_data(0) if isinstance(x, jax.Array) else x
+
 
 class MultiStepsState(NamedTuple):
     """State of :func:`jaxaccum.multi_steps`.

@@ -20,7 +20,7 @@ each handing its values down (the models are ``tinygpt``'s pair, the data
     compare         deviation measures, tolerances; Run, SuiteResult
     checks          a comparison's verdict: Check (passed, ratios), FLAG_RATIO
     report          what is printed: verdict, legend, table (100 columns), rendered once
-    report_files    parity.md, parity.json; plot: parity_loss.png
+    report_files    parity.md, parity.json; plot: parity_deviation.png
     audits          the second table: the audit of the known bugs' loops, JAX and torch
                     (testkit.audited_loops; torch_ref.buggy)
     trl_table       the third: TRL's GRPO update cut into micro-batches and ranks, every

@@ -2,7 +2,7 @@
 
 Runs the suite (see ``parity_tests.suite``), prints the verdict first, then a
 legend and the table (100 columns), and writes ``DIR/parity.md``,
-``DIR/parity.json`` and ``DIR/parity_loss.png`` (each check's worst deviation
+``DIR/parity.json`` and ``DIR/parity_deviation.png`` (each check's worst deviation
 against the tolerance band). Then the second table: the audit of the known
 bugs' loops, JAX and torch (``parity_tests.audits``, ``docs/audit.md``), and the
 third: TRL's GRPO update cut into micro-batches, one line per loss type
@@ -77,7 +77,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--out",
         type=pathlib.Path,
         default=pathlib.Path("out/parity"),
-        help="directory for parity.md, parity.json, parity_loss.png",
+        help="directory for parity.md, parity.json, parity_deviation.png",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)

@@ -1,5 +1,5 @@
 """The parity report's files: ``parity.md`` (every measure of every check), ``parity.json``
-(every check and run record), ``parity_loss.png`` (``parity_tests.plot``).
+(every check and run record), ``parity_deviation.png`` (``parity_tests.plot``).
 
 :func:`write` takes the ``SuiteResult`` and its rendered words (``parity_tests.report.Text``)."""
 
@@ -92,10 +92,14 @@ def _json_safe(x):
 
 
 def write(result: SuiteResult, out: pathlib.Path, text: Text) -> dict[str, pathlib.Path]:
-    """Writes ``parity.md``, ``parity.json`` and ``parity_loss.png`` into ``out``
+    """Writes ``parity.md``, ``parity.json`` and ``parity_deviation.png`` into ``out``
     (``text``: ``report.render(result)``)."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"md": out / "parity.md", "json": out / "parity.json", "plot": out / "parity_loss.png"}
+    paths = {
+        "md": out / "parity.md",
+        "json": out / "parity.json",
+        "plot": out / "parity_deviation.png",
+    }
     paths["json"].write_text(
         json.dumps(
             _json_safe(

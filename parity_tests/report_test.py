@@ -46,5 +46,7 @@ def test_printed_report_verdict_first_and_narrow(tmp_path):
     assert table[-1].split()[0] == "torch_ref:mean_of_means" and table[-1].endswith("flagged")
     assert max(len(line) for line in report.legend(result) + table) <= report.WIDTH
     paths = report_files.write(result, tmp_path, report.render(result))
+    # named for what it shows: each check's deviation over its tolerance (not a loss)
+    assert paths["plot"].name == "parity_deviation.png"
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "**PASS**: 1/1 checks within tolerance" in paths["md"].read_text()
