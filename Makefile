@@ -18,7 +18,7 @@ define repository_on_path
 	echo "$(CURDIR)" > "$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/jaxaccum-repository.pth"
 endef
 
-.PHONY: demo test test-fast test-latest lint parity trl-audit bench audit-gpt2 fuzz clean
+.PHONY: demo test test-fast test-latest lint docs docs-check parity trl-audit bench audit-gpt2 fuzz clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,27 @@ $(STAMP_LATEST): pyproject.toml constraints-latest.txt
 # Every test that does not need torch, on the newest JAX/Flax/NumPy (torch's skip).
 test-latest: $(STAMP_LATEST)
 	$(VENV_LATEST)/bin/python -m pytest -q -n 2 --dist loadfile -m "not full"
+
+# The documentation site, out/docs/index.html: the Markdown pages, the API reference from the
+# docstrings, the lessons run as a gallery (a failing assertion fails the build). Warnings are
+# errors, every cross-reference resolves (-W -n). docs/_site/conf.py assembles the source tree
+# in out/docs-src from the repository.
+DOCS_STAMP := $(VENV)/.docs-installed
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	mkdir -p out/docs-src
+	$(PY) -m sphinx -b html -W --keep-going -n -q -c docs/_site out/docs-src out/docs
+
+# The built site in headless Chromium (Debian's, installed here when missing and root may;
+# without it the browser checks skip and say why): screenshots in out/docs-check/ (copy them
+# to docs/_static/ to update the committed ones), math typeset, links, images, search.
+docs-check: docs
+	command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -q chromium; } || echo "[docs-check] chromium could not be installed"
+	$(PY) -m pytest -q -n 0 -m full docs/_site/site_test.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -82,7 +82,7 @@ def check_layout(layout: CellLayout) -> tuple[str, ...]:
     one; otherwise the rows do not differ enough in items.
 
     Returns:
-      The forms to check, in the order a verdict prefers them: ``"exact"``
+      The forms to check, in the order a verdict prefers them; ``"exact"``
       first, then (in a short window) ``"fixed_divisor_tail"``, then the others
       in ``FORM_NAMES`` order, then, when the rows' labels are known and some
       set position 0, the :data:`COUNT_FORMS` (a uniform scale that may be close

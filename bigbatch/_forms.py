@@ -39,15 +39,20 @@ from __future__ import annotations
 import numpy as np
 
 EXACT = "exact"
-UNKNOWN = "unknown"  # the verdict when no known form fits
+"""The big batch's form: every item weighs ``1/N``."""
+UNKNOWN = "unknown"
+"""The verdict when no known form fits."""
 MEAN_OF_MEANS = "mean_of_means"
+"""Each micro-batch takes its own mean, the ``k R`` means are averaged: ``1 / (k R n_c)``."""
 MEAN_OF_GLOBAL_MEANS = "mean_of_global_means"
+"""A mean per micro-batch over all devices (GSPMD's global view), averaged: ``1 / (k M_m)``."""
 MISSING_1_OVER_K = "missing_1_over_k"
 LOCAL_DENOMINATOR = "local_denominator"
 DDP_AVERAGE_FORGOTTEN = "ddp_average_forgotten"
 FIXED_DIVISOR_TAIL = "fixed_divisor_tail"
 FIRST_LABEL_COUNTED = "first_label_counted"
 CLIPPED_PER_MICRO_BATCH = "clipped_per_micro_batch"
+"""Each micro-batch's gradient clipped by its own norm before the window adds them."""
 
 BUG_NAMES: tuple[str, ...] = (
     MEAN_OF_MEANS,
@@ -101,6 +106,7 @@ WHAT_IT_DOES: dict[str, str] = {
     CLIPPED_PER_MICRO_BATCH: "each micro-batch's gradient is clipped by its norm alone (to c),"
     " then the micro-batches are added",
 }
+"""What the code of each form does, in words (the report says it of its verdict)."""
 
 FIXES: dict[str, str] = {
     EXACT: "nothing to fix",
@@ -115,6 +121,7 @@ FIXES: dict[str, str] = {
     CLIPPED_PER_MICRO_BATCH: "clip the window's gradient once, at the boundary (e.g."
     " jaxaccum.multi_steps(..., max_grad_norm=c))",
 }
+"""The fix of each form, in words (the report says it of its verdict)."""
 
 
 def form_weights(

@@ -30,10 +30,19 @@
 from __future__ import annotations
 
 RESIDUAL_RTOL = 1e-3
+"""The largest residual ``|e| / |delta / lr|`` of a reweighting: float32 rounding leaves ~1e-6,
+a loop that is no reweighting percents."""
 WEIGHT_RTOL = 1e-3
+"""The largest relative distance of a recovered weight from its form's."""
 SEPARATION = 0.05
+"""The least relative difference from the big batch that the layout gives every checkable bug."""
 MAX_CONDITION = 1e4
+"""The largest condition number of the cells' gradients the fit accepts."""
 MAX_ROUNDING = 1e-4
+"""The largest relative rounding of the update read back in the parameters' dtype."""
 ITEMS_RTOL = 1e-6
+"""The largest relative difference of the batch's items from the sum over its rows."""
 LOSS_RTOL = 1e-4
+"""The largest relative difference of the batch's loss from the sum over its rows."""
 CLIP_RTOL = 1e-3
+"""The largest relative distance of a clipped gradient's norm from ``max_grad_norm``."""

@@ -39,7 +39,7 @@ NEEDS = {"10": ("torch", "transformers", "trl", "datasets")}
 
 # The documents whose numbers are checked (paths relative to ROOT).
 DOCUMENTS = sorted(
-    ["README.md", "examples/README.md", "examples/flax_lm/README.md"]
+    ["README.md", "examples/README.md", "examples/flax_lm/README.md", "docs/_site/index.md"]
     + [f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")]
 )
 

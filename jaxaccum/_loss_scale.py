@@ -21,7 +21,7 @@ class DynamicLossScale:
     unscaled once; a non-finite window is skipped and the scale multiplied by
     ``backoff_factor``; after ``growth_interval`` consecutive applied windows it
     is multiplied by ``growth_factor`` (kept as is if that would overflow
-    float32). Empty windows change nothing. See :func:`next_loss_scale`.
+    float32). Empty windows change nothing. See ``next_loss_scale``.
 
     Attributes:
       init_scale: the first scale (PyTorch's default 2**16).

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+"""TRL 1.16's GRPO loss types, the values of ``loss_type``."""
 
 # the item each loss type counts (a slot: one of max_completion_length per sequence) ...
 ITEMS = {

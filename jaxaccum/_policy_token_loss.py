@@ -78,11 +78,12 @@ def policy_token_loss(
       advantages: ``[...]`` one per sequence, or ``[..., T]`` one per token.
       mask: ``[..., T]`` bool or 0/1, the completion tokens that carry loss.
       loss_type: one of :data:`LOSS_TYPES`.
-      epsilon, epsilon_high, delta, importance_sampling_level,
-        sapo_temperature_pos, sapo_temperature_neg, vespo_k_pos,
-        vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, beta,
-        use_bias_correction_kl: ``GRPOConfig``'s fields of these names, with
-        its defaults (TRL recommends ``"sequence"`` for ``luspo``).
+      epsilon: ``GRPOConfig``'s field of this name, as are ``epsilon_high``,
+        ``delta``, ``importance_sampling_level``, ``sapo_temperature_pos``,
+        ``sapo_temperature_neg``, ``vespo_k_pos``, ``vespo_lambda_pos``,
+        ``vespo_k_neg``, ``vespo_lambda_neg``, ``beta`` and
+        ``use_bias_correction_kl``, with its defaults (TRL recommends
+        ``"sequence"`` for ``luspo``).
       ref_logps: ``[..., T]`` the reference model's log-probs; needed when
         ``beta != 0``.
 

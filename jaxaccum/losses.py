@@ -115,5 +115,14 @@ def per_sample(
 
 # RL policy-gradient losses (TRL's eight loss types): the per-token loss, and its
 # reduction in the same form.
-from jaxaccum._policy_gradient import policy_gradient  # noqa: E402, F401
-from jaxaccum._policy_token_loss import policy_token_loss  # noqa: E402, F401
+from jaxaccum._policy_gradient import LOSS_TYPES, policy_gradient  # noqa: E402
+from jaxaccum._policy_token_loss import policy_token_loss  # noqa: E402
+
+__all__ = [
+    "LOSS_TYPES",
+    "causal_lm",
+    "causal_lm_per_sample",
+    "per_sample",
+    "policy_gradient",
+    "policy_token_loss",
+]

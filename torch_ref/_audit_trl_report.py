@@ -37,7 +37,9 @@ class GRPOInvarianceReport(bigbatch.InvarianceReport):
     ``sum_t -A_i log p_it`` (at ratio 1), then, with ``entropy_coef``, the same
     sequences with that of their entropy bonus ``sum_t -entropy_coef H_it``.
 
-    Attributes (beyond `bigbatch.InvarianceReport`'s):
+    Its attributes are `bigbatch.InvarianceReport`'s and these.
+
+    Attributes:
       cut: the audited `GRPOCut` (``steps_per_generation`` and ``epsilon_high`` resolved).
       tokens: float64 ``[sequences]``, each sequence's valid completion tokens ``|o_i|``.
       advantages: float64 ``[sequences]``, the advantages TRL computed (equal in both runs).
