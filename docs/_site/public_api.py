@@ -23,7 +23,7 @@ def public_names(module_name: str) -> list[str]:
     """The names of ``__all__`` of a public module, submodules left out.
 
     >>> public_names("jaxaccum.audit")
-    ['AuditReport', 'InvarianceReport', 'audit_invariance', 'audit_window']
+    ['BIG_BATCH_RTOL', 'AuditReport', 'BigBatchCheck', 'InvarianceReport', 'audit_invariance', 'audit_window', 'check_big_batch']
     """
     module = importlib.import_module(module_name)
     return [n for n in module.__all__ if not inspect.ismodule(getattr(module, n))]
@@ -68,16 +68,20 @@ def page(module_name: str) -> str:
     <BLANKLINE>
     .. autosummary::
     <BLANKLINE>
+       BIG_BATCH_RTOL
        AuditReport
+       BigBatchCheck
        InvarianceReport
        audit_invariance
        audit_window
+       check_big_batch
     <BLANKLINE>
+    ...
     .. py:class:: AuditReport
     <BLANKLINE>
        The same class as :py:class:`bigbatch.AuditReport`.
     ...
-    .. autofunction:: audit_window
+    .. autofunction:: check_big_batch
     <BLANKLINE>
     """
     module = importlib.import_module(module_name)
