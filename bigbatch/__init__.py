@@ -12,45 +12,40 @@ loss per cell. The method and its limits: ``docs/audit.md``.
     check_sums(loss_sum, num_items, row_losses, row_items)  # the loss adds up over rows
     check_layout(layout)                           # the rows can tell the bugs apart
     products = cell_products(cell_grad, update, layout, learning_rate=1.0)  # streamed
-    report = audit_update(products, layout, learning_rate=1.0)
+    report = audit_update(products, layout, learning_rate=1.0, max_grad_norm=None)
     assert report.passed, report
 
 Imports numpy (and tqdm for the progress bar) only.
 """
 
-from bigbatch._fit import (
-    ITEMS_RTOL,
-    LOSS_RTOL,
-    MAX_CONDITION,
-    MAX_ROUNDING,
-    RESIDUAL_RTOL,
-    SEPARATION,
-    WEIGHT_RTOL,
+from bigbatch._checks import (
     audit_layout,
-    audit_update,
+    check_cuts,
     check_layout,
+    check_max_grad_norm,
     check_precision,
     check_sums,
     check_window,
+    row_items_of,
 )
+from bigbatch._fit import audit_update
 from bigbatch._forms import (
     BUG_NAMES,
+    CLIP_FORMS,
+    CLIPPED_PER_MICRO_BATCH,
     COUNT_FORMS,
     EXACT,
     FIXES,
     FORM_NAMES,
     FORMULAS,
+    MEAN_OF_GLOBAL_MEANS,
+    MEAN_OF_MEANS,
+    UNKNOWN,
     WHAT_IT_DOES,
     checkable_forms,
     form_weights,
 )
-from bigbatch._invariance import (
-    INVARIANCE_RTOL,
-    InvarianceReport,
-    check_cuts,
-    invariance_report,
-    row_items_of,
-)
+from bigbatch._invariance import INVARIANCE_RTOL, InvarianceReport, invariance_report
 from bigbatch._layout import CellLayout, first_labels_of, layout_rows, tail_microbatches
 from bigbatch._products import (
     CELL_MEMORY,
@@ -60,11 +55,24 @@ from bigbatch._products import (
     stream_products,
 )
 from bigbatch._records import IGNORE_INDEX, RECORD_KEYS, SkipReason
-from bigbatch._report import UNKNOWN, AuditReport
+from bigbatch._report import AuditReport
+from bigbatch._tolerances import (
+    CLIP_RTOL,
+    ITEMS_RTOL,
+    LOSS_RTOL,
+    MAX_CONDITION,
+    MAX_ROUNDING,
+    RESIDUAL_RTOL,
+    SEPARATION,
+    WEIGHT_RTOL,
+)
 
 __all__ = [
     "BUG_NAMES",
     "CELL_MEMORY",
+    "CLIPPED_PER_MICRO_BATCH",
+    "CLIP_FORMS",
+    "CLIP_RTOL",
     "COUNT_FORMS",
     "EXACT",
     "FIXES",
@@ -75,6 +83,8 @@ __all__ = [
     "ITEMS_RTOL",
     "LOSS_RTOL",
     "MAX_CONDITION",
+    "MEAN_OF_GLOBAL_MEANS",
+    "MEAN_OF_MEANS",
     "RECORD_KEYS",
     "MAX_ROUNDING",
     "RESIDUAL_RTOL",
@@ -90,6 +100,7 @@ __all__ = [
     "audit_layout",
     "audit_update",
     "check_layout",
+    "check_max_grad_norm",
     "check_precision",
     "check_sums",
     "check_window",

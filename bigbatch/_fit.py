@@ -10,223 +10,39 @@ so the weights are a least-squares fit (float64) over the cells that hold
 items, computed from the cells' inner products (``_products.py``: memory of
 the parameters' size, whatever the number of cells), and the residual
 ``|e| / |delta / lr|`` says whether the loop is a reweighting at all. The
-weights are then compared with each known form.
-
-Tolerances (relative), and why:
-
-* ``RESIDUAL_RTOL = 1e-3``: float32 gradients and the float32 update read
-  back as ``new - old`` put a reweighting's residual at ~1e-6; a loop that is
-  no reweighting (Adam's first step is nearly ``sign(g)``, an elementwise
-  clip) leaves residuals of percents or more.
-* ``WEIGHT_RTOL = 1e-3``: the recovered weights of a float32 loop are within
-  ~1e-6 of their formula, times the fit's amplification (the condition number
-  of the cells' gradients, at most ``MAX_CONDITION``; 2 to 4 on the tests'
-  tiny models).
-* ``SEPARATION = 0.05``: the audit refuses a batch whose layout does not make
-  every checkable bug differ from the big batch by at least 5% in some cell,
-  50x the weight tolerance, so that no bug can pass for the big batch. (Bugs
-  that weigh the window alike are all listed in ``matches``.)
-* ``MAX_CONDITION = 1e4``: beyond it float32 noise (~1e-7) could move the
-  weights by ~1e-3, the tolerance.
-* ``MAX_ROUNDING = 1e-4``: the update is read back in the parameters' dtype;
-  its rounding must stay 10x below the residual tolerance.
-* ``ITEMS_RTOL = 1e-6``, ``LOSS_RTOL = 1e-4``: the reference loss of a batch
-  against the sum over its rows (``check_sums``): the items are counts (exact
-  in float32 up to 2**24), the float32 loss sums add the same numbers in
-  another order (~1e-6); a mean instead of a sum is off by ~1.
+weights are then compared with each known form, as they are and clipped
+(``_clipping.py``). The tolerances, and why: ``_tolerances.py``.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 
-from bigbatch._forms import (
-    COUNT_FORMS,
-    EXACT,
-    FIXED_DIVISOR_TAIL,
-    checkable_forms,
-    form_weights,
+from bigbatch._checks import check_layout, check_max_grad_norm, check_precision
+from bigbatch._clipping import (
+    expected_weights,
+    micro_batch_clipped,
+    window_clipped,
 )
-from bigbatch._layout import CellLayout, first_labels_of, layout_rows
+from bigbatch._forms import CLIPPED_PER_MICRO_BATCH, EXACT
+from bigbatch._layout import CellLayout
 from bigbatch._products import CellProducts
 from bigbatch._report import UNKNOWN, AuditReport
-
-RESIDUAL_RTOL = 1e-3
-WEIGHT_RTOL = 1e-3
-SEPARATION = 0.05
-MAX_CONDITION = 1e4
-MAX_ROUNDING = 1e-4
-ITEMS_RTOL = 1e-6
-LOSS_RTOL = 1e-4
+from bigbatch._tolerances import CLIP_RTOL, MAX_CONDITION, RESIDUAL_RTOL, WEIGHT_RTOL
 
 
-def _positive_int(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    return int(value)
+class _Verdict(NamedTuple):
+    """The form the weights have: its name, every form that fits as well, the clip."""
 
-
-def check_window(*, k: object, num_devices: object, learning_rate: object, short_window: object):
-    """Checks the window arguments of an audit; raises a ``ValueError`` naming the bad one.
-
-    Example:
-      >>> check_window(k=4, num_devices=1, learning_rate=0.0, short_window=False)
-      Traceback (most recent call last):
-      ...
-      ValueError: learning_rate: expected a finite number > 0, got 0.0
-    """
-    k = _positive_int(k, "k")
-    num_devices = _positive_int(num_devices, "num_devices")
-    if (
-        isinstance(learning_rate, bool)
-        or not isinstance(learning_rate, numbers.Real)
-        or not np.isfinite(learning_rate)
-        or learning_rate <= 0
-    ):
-        raise ValueError(f"learning_rate: expected a finite number > 0, got {learning_rate!r}")
-    if not isinstance(short_window, bool | np.bool_):
-        raise ValueError(f"short_window: expected a bool, got {short_window!r}")
-    if short_window and k < 2:
-        raise ValueError(f"short_window: a short window needs k >= 2 micro-batches, got k={k}")
-    if not short_window and k * num_devices < 2:
-        raise ValueError(
-            f"k: a window of k={k} micro-batch on num_devices={num_devices} device is one cell:"
-            " every known bug weighs it like the big batch, so there is nothing to audit;"
-            " use k >= 2 or num_devices >= 2"
-        )
-
-
-def check_layout(layout: CellLayout) -> tuple[str, ...]:
-    """The forms the layout can tell apart; raises when its cells are too alike.
-
-    Every bug that some window of this shape separates from the big batch must
-    differ from it by at least ``SEPARATION`` (relative) in some cell of this
-    one; otherwise the rows do not differ enough in items.
-
-    Returns:
-      The forms to check, in the order a verdict prefers them: ``"exact"``
-      first, then (in a short window) ``"fixed_divisor_tail"``, then the others
-      in ``FORM_NAMES`` order, then, when the rows' labels are known and some
-      set position 0, the :data:`COUNT_FORMS` (a uniform scale that may be close
-      to 1: not held to ``SEPARATION``; within ``WEIGHT_RTOL`` of the big batch
-      both are listed).
-
-    Example:
-      >>> from bigbatch import layout_rows
-      >>> check_layout(layout_rows(np.array([1.0, 3.0]), k=2, num_devices=1))
-      ('exact', 'mean_of_means', 'missing_1_over_k')
-    """
-    items = layout.items
-    if not np.any(items > 0):
-        raise ValueError("batch: no row has an item (every label masked?): there is nothing to fit")
-    forms = checkable_forms(layout.num_devices, layout.k_window, k=layout.k)
-    if FIXED_DIVISOR_TAIL in forms:  # a short window is audited for its tail: that form first
-        forms = (EXACT, FIXED_DIVISOR_TAIL, *(f for f in forms[1:] if f != FIXED_DIVISOR_TAIL))
-    for name in forms[1:]:
-        weights = form_weights(name, items, k=layout.k)
-        separation = float(np.nanmax(np.abs(weights - 1.0)))
-        if separation < SEPARATION:
-            raise ValueError(
-                f"batch: its rows are too alike in items to tell {name} from the big batch on this"
-                f" window (the weights differ by {separation:.1%} at most, {SEPARATION:.0%} needed;"
-                f" items per cell {items.tolist()}); pass rows whose items differ, e.g. mask the"
-                " labels of some rows (-100) and shorten others"
-            )
-    if layout.first_labels is not None and np.sum(layout.first_labels) > 0:
-        forms = (*forms, *COUNT_FORMS)
-    return forms
-
-
-def audit_layout(
-    row_items: np.ndarray, batch: Any, *, k: int, num_devices: int, short_window: bool = False
-) -> CellLayout:
-    """The audit's cells for ``batch``'s rows: :func:`layout_rows`, with each row's label at
-    position 0 read off ``batch`` (:func:`first_labels_of`), checked by :func:`check_layout`.
-
-    Example:
-      >>> audit_layout(np.array([1.0, 3.0]), {}, k=2, num_devices=1).items
-      array([[1., 3.]])
-    """
-    layout = layout_rows(
-        row_items,
-        k=k,
-        num_devices=num_devices,
-        short_window=short_window,
-        row_first_labels=first_labels_of(batch),
-    )
-    check_layout(layout)
-    return layout
-
-
-def check_precision(rounding: float, learning_rate: float) -> None:
-    """Refuses an update too small to be read back in the parameters' dtype.
-
-    Args:
-      rounding: ``eps(dtype) * |params| / |big-batch update|``, relative.
-      learning_rate: the SGD learning rate (the update is linear in it).
-
-    Example:
-      >>> check_precision(1e-6, 1.0)  # float32 parameters of ~0.5, an update of ~0.05
-    """
-    if not rounding <= MAX_ROUNDING:
-        needed = learning_rate * rounding / MAX_ROUNDING
-        raise ValueError(
-            f"learning_rate: the big-batch update at learning_rate={learning_rate:g} is only"
-            f" {1 / rounding:.3g}x the rounding of the parameters' dtype, too small to read"
-            f" back; use learning_rate >= {needed:.3g} (SGD's update is linear in it)"
-        )
-
-
-def check_sums(
-    loss_sum: float, num_items: float, row_losses: np.ndarray, row_items: np.ndarray
-) -> None:
-    """Refuses a reference loss that does not add up over rows (a mean, or a count per batch).
-
-    .. math::
-
-       |S(\\text{batch}) - \\textstyle\\sum_i S(\\text{row}_i)| \\le
-       \\mathrm{rtol} \\textstyle\\sum_i |S(\\text{row}_i)|
-
-    for the summed loss (``rtol = LOSS_RTOL``: the float32 sums add the same
-    numbers in another order, ~1e-6) and its items (``ITEMS_RTOL``: counts,
-    exact in float32 up to 2**24); relative to the rows' magnitudes, since an RL
-    loss may add up to ~0 from both signs. A mean instead of a sum is off by ~1.
-
-    Args:
-      loss_sum: the reference loss of the whole batch.
-      num_items: its items.
-      row_losses: ``[B]`` the loss of each row alone.
-      row_items: ``[B]`` the items of each row alone.
-
-    Example:
-      >>> check_sums(3.0, 2.0, np.array([1.0, 2.0]), np.array([1.0, 1.0]))  # a sum: fine
-      >>> check_sums(1.5, 1.0, np.array([1.0, 2.0]), np.array([1.0, 1.0]))  # a mean
-      Traceback (most recent call last):
-      ...
-      ValueError: loss_fn: expected a summed loss whose num_items adds up over rows; ...
-    """
-    row_losses = np.asarray(row_losses, np.float64)
-    row_items = np.asarray(row_items, np.float64)
-    if not (np.all(np.isfinite(row_items)) and np.all(row_items >= 0)):
-        raise ValueError(
-            f"loss_fn: expected a finite num_items >= 0 for every row, got {row_items.tolist()}"
-        )
-    if not np.all(np.isfinite(row_losses)):
-        raise ValueError("loss_fn: the summed loss of some row is not finite (NaN or inf)")
-    for what, whole, parts, rtol in (
-        ("num_items", float(num_items), row_items, ITEMS_RTOL),
-        ("loss_sum", float(loss_sum), row_losses, LOSS_RTOL),
-    ):
-        if not abs(whole - parts.sum()) <= rtol * max(np.abs(parts).sum(), 1e-30):
-            raise ValueError(
-                f"loss_fn: expected a summed loss whose {what} adds up over rows; the batch gives"
-                f" {whole:.6g}, its rows {parts.sum():.6g} in all: return a sum and its items (e.g."
-                " jaxaccum.losses.causal_lm, torch_ref.causal_lm_loss_sum), not a mean"
-            )
+    name: str
+    matches: tuple[str, ...]
+    weights: np.ndarray | None = None  # the verdict's weights (its form's, as clipped)
+    clip_scale: float = 1.0
+    clipped_to: float | None = None
+    clip_base: str | None = None  # clipped per micro-batch: the form before the clip
 
 
 def audit_update(
@@ -235,6 +51,7 @@ def audit_update(
     *,
     learning_rate: float,
     params_rounding: float = 0.0,
+    max_grad_norm: float | None = None,
 ) -> AuditReport:
     """Fits the weights a loop gave each cell, and names the form they have.
 
@@ -245,10 +62,13 @@ def audit_update(
        \\qquad t = -\\delta / lr
 
     the least-squares weights of ``-delta / lr = G w + e`` over the cells with
-    items, from the products of :func:`cell_products` (``A = G^T G``); the verdict is the first form of
-    ``check_layout(layout)`` whose weights are within ``WEIGHT_RTOL`` of
-    ``w N`` in every such cell, provided the residual is at most
-    ``RESIDUAL_RTOL``, else ``"unknown"``.
+    items, from the products of :func:`cell_products` (``A = G^T G``). Provided
+    the residual is at most ``RESIDUAL_RTOL``, the verdict is the first form of
+    ``check_layout(layout)`` whose weights are within ``WEIGHT_RTOL`` of ``w N``
+    in every such cell; else the first whose weights times one factor
+    ``s < 1`` are (the window clipped once to ``c = s |g|``; first of all when
+    the applied gradient's norm is the ``max_grad_norm`` you passed); else
+    ``clipped_per_micro_batch`` if its weights are; else ``"unknown"``.
 
     Args:
       products: the :class:`CellProducts` of the loop's update and the cells.
@@ -257,6 +77,8 @@ def audit_update(
       params_rounding: ``|eps(dtype) * params|``, the rounding of reading the
         update back as ``new - old`` (:func:`check_precision` refuses an update
         too small for it).
+      max_grad_norm: the threshold your loop clips the window's gradient to, if
+        any: the report says whether it does (``AuditReport.clip_kept``).
 
     Returns:
       An :class:`AuditReport`.
@@ -273,6 +95,7 @@ def audit_update(
       >>> report.verdict, report.weights.round(4).tolist()  # in units of 1/N = 1/4
       ('mean_of_means', [[2.0, 0.6667]])
     """
+    max_grad_norm = check_max_grad_norm(max_grad_norm)
     forms = check_layout(layout)
     total = float(layout.items.sum())
     condition = _condition(products.gram)
@@ -280,14 +103,19 @@ def audit_update(
     rounding = params_rounding / (learning_rate * big_batch) if big_batch > 0 else math.inf
     check_precision(rounding, learning_rate)
     weights, residual = _fit(products, layout.items)
+    per_micro_batch = None  # clipped_per_micro_batch, where it can be told from the window's
+    if layout.k_window >= 2 and 0 < products.update_norm < math.inf:
+        per_micro_batch = micro_batch_clipped(weights, layout, products, forms)
     with np.errstate(invalid="ignore"):
-        errors = {name: _form_error(weights, layout, name) for name in forms}
-    is_reweighting = residual <= RESIDUAL_RTOL
-    matches = tuple(name for name in forms if is_reweighting and errors[name] <= WEIGHT_RTOL)
+        errors = {name: _form_error(weights, expected_weights(name, layout)) for name in forms}
+    if per_micro_batch is not None:
+        errors[CLIPPED_PER_MICRO_BATCH] = per_micro_batch.error
+    verdict = _verdict(weights, errors, forms, layout, products.update_norm, residual,
+                       max_grad_norm, per_micro_batch)  # fmt: skip
     full = layout.items > 0
     weights.flags.writeable = False
     return AuditReport(
-        verdict=matches[0] if matches else UNKNOWN,
+        verdict=verdict.name,
         weights=weights,
         items=layout.items,
         residual=residual,
@@ -295,7 +123,7 @@ def audit_update(
         max_weight_error=errors[EXACT],
         update_error=_update_error(products, total, big_batch),
         form_errors=errors,
-        matches=matches,
+        matches=verdict.matches,
         k=layout.k,
         first_labels=layout.first_labels,
         condition=condition,
@@ -303,7 +131,42 @@ def audit_update(
         weight_tolerance=WEIGHT_RTOL,
         rounding=float(rounding),
         left_out_rows=int(layout.left_out.size),
+        verdict_weights=verdict.weights,
+        clip_scale=verdict.clip_scale,
+        clipped_to=verdict.clipped_to,
+        clip_base=verdict.clip_base,
+        grad_norm=products.update_norm / verdict.clip_scale,
+        max_grad_norm=max_grad_norm,
+        clip_tolerance=CLIP_RTOL,
     )
+
+
+def _verdict(
+    weights, errors, forms, layout, applied, residual, max_grad_norm, per_micro_batch
+) -> _Verdict:
+    """The first form that fits, as it is, clipped once per window, or clipped per micro-batch.
+
+    ``applied`` is ``|t|``, the norm of the applied gradient. A window clipped to the
+    ``max_grad_norm`` you passed is read as clipped first: a constant factor that the clip
+    erased (a forgotten DDP average, say) is no bug then.
+    """
+    if not (applied > 0 and residual <= RESIDUAL_RTOL):  # nothing moved, NaN, no reweighting
+        return _Verdict(UNKNOWN, ())
+    unclipped = tuple(name for name in forms if errors[name] <= WEIGHT_RTOL)
+    clipped = window_clipped(weights, layout, forms)
+    at_threshold = max_grad_norm is not None and abs(applied - max_grad_norm) <= (
+        CLIP_RTOL * max_grad_norm
+    )
+    if unclipped and not (at_threshold and clipped):
+        return _Verdict(unclipped[0], unclipped, expected_weights(unclipped[0], layout))
+    if clipped:
+        name, scale = clipped[0]
+        scaled = scale * expected_weights(name, layout)
+        return _Verdict(name, tuple(n for n, _ in clipped), scaled, scale, applied)
+    if per_micro_batch is not None and per_micro_batch.error <= WEIGHT_RTOL:
+        name, fit = CLIPPED_PER_MICRO_BATCH, per_micro_batch
+        return _Verdict(name, (name,), fit.weights, 1.0, fit.clipped_to, fit.base)
+    return _Verdict(UNKNOWN, ())
 
 
 def _condition(gram: np.ndarray) -> float:
@@ -357,8 +220,8 @@ def _update_error(products: CellProducts, total: float, big_batch: float) -> flo
     return math.sqrt(max(deviation_sq, 0.0)) / big_batch
 
 
-def _form_error(weights: np.ndarray, layout: CellLayout, name: str) -> float:
-    """The largest relative error of the fitted weights against one form's, over full cells."""
-    full = layout.items > 0
-    expected = form_weights(name, layout.items, k=layout.k, first_labels=layout.first_labels)
+def _form_error(weights: np.ndarray, expected: np.ndarray) -> float:
+    """The largest relative error of the fitted weights against a form's, over full cells
+    (``expected`` is NaN where a cell has no item)."""
+    full = ~np.isnan(expected)
     return float(np.max(np.abs(weights[full] / expected[full] - 1)))

@@ -25,21 +25,21 @@ def window(k: int, num_devices: int, short_window: bool = False, seed: int = 0):
     return layout, grads
 
 
-def audit_of(update, grads, layout, lr) -> bigbatch.AuditReport:
+def audit_of(update, grads, layout, lr, max_grad_norm=None) -> bigbatch.AuditReport:
     """The audit of an update, with the cells' gradients ``grads`` ``[R, k, P]`` in memory."""
     products = bigbatch.cell_products(
         lambda r, m: [grads[r, m]], [np.array(update, np.float64)], layout, learning_rate=lr,
         progress=False,
     )  # fmt: skip
-    return bigbatch.audit_update(products, layout, learning_rate=lr)
+    return bigbatch.audit_update(products, layout, learning_rate=lr, max_grad_norm=max_grad_norm)
 
 
-def run(layout, grads, weights, *, lr=0.5, noise=None):
+def run(layout, grads, weights, *, lr=0.5, noise=None, max_grad_norm=None):
     """The audit of a loop that weighs the cells by ``weights`` (units of 1/N)."""
     gradient = np.einsum("rm,rmp->p", np.nan_to_num(weights), grads) / layout.items.sum()
     if noise is not None:
         gradient = gradient + noise
-    return audit_of(-lr * gradient, grads, layout, lr)
+    return audit_of(-lr * gradient, grads, layout, lr, max_grad_norm)
 
 
 @pytest.mark.parametrize(
@@ -47,6 +47,8 @@ def run(layout, grads, weights, *, lr=0.5, noise=None):
     [
         ("exact", 4, 2, False),
         ("mean_of_means", 4, 1, False),
+        ("mean_of_global_means", 4, 2, False),
+        ("mean_of_global_means", 4, 4, False),
         ("missing_1_over_k", 2, 2, False),
         ("local_denominator", 4, 4, False),
         ("ddp_average_forgotten", 2, 4, False),
@@ -62,6 +64,13 @@ def test_every_form_is_recovered_and_named(name, k, num_devices, short_window):
     assert report.residual <= RESIDUAL_ATOL
     assert abs(report.scale - np.nansum(truth * layout.items) / layout.items.sum()) <= RTOL
     assert report.passed == (name == "exact")
+
+
+def test_on_one_device_the_global_mean_of_means_is_named_the_mean_of_means():
+    layout, grads = window(4, 1)
+    report = run(layout, grads, bigbatch.form_weights("mean_of_global_means", layout.items, k=4))
+    assert report.verdict == "mean_of_means" and report.matches == ("mean_of_means",)
+    assert "mean_of_global_means" not in report.form_errors
 
 
 def test_forms_that_weigh_a_window_alike_are_all_listed():

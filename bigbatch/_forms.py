@@ -12,6 +12,7 @@ and differs only in ``w_c`` (``docs/math.md`` derives each one):
 
     exact                   1 / N
     mean_of_means           1 / (k R n_c)
+    mean_of_global_means    1 / (k M_m)           M_m = sum_r n_rm: micro-batch m's items
     missing_1_over_k        1 / (R n_c)
     local_denominator       1 / (R N_r)
     ddp_average_forgotten   1 / (R N)
@@ -21,9 +22,16 @@ and one miscount of ``N`` itself (:data:`COUNT_FORMS`), a uniform scale:
 
     first_label_counted     1 / (N + F)           F: rows whose label at position 0 is set
 
+and one clipping of each micro-batch by its norm (:data:`CLIP_FORMS`; its weights
+depend on the gradients, ``bigbatch._clipping``):
+
+    clipped_per_micro_batch min(1, c / |g_m|) / N  g_m = sum_r G_rm / N: micro-batch m's share
+
 Here every weight is written as a multiple of the big batch's ``1 / N``, so
 ``exact`` is 1 in every cell. In a short window ``k`` stays the nominal number
-of micro-batches: it is the constant such code divides by.
+of micro-batches: it is the constant such code divides by. ``mean_of_global_means``
+is what a mean per micro-batch computes under a global view of the devices
+(``jax.jit`` with the batch sharded, GSPMD): on one device it *is* ``mean_of_means``.
 """
 
 from __future__ import annotations
@@ -31,21 +39,26 @@ from __future__ import annotations
 import numpy as np
 
 EXACT = "exact"
+UNKNOWN = "unknown"  # the verdict when no known form fits
 MEAN_OF_MEANS = "mean_of_means"
+MEAN_OF_GLOBAL_MEANS = "mean_of_global_means"
 MISSING_1_OVER_K = "missing_1_over_k"
 LOCAL_DENOMINATOR = "local_denominator"
 DDP_AVERAGE_FORGOTTEN = "ddp_average_forgotten"
 FIXED_DIVISOR_TAIL = "fixed_divisor_tail"
 FIRST_LABEL_COUNTED = "first_label_counted"
+CLIPPED_PER_MICRO_BATCH = "clipped_per_micro_batch"
 
 BUG_NAMES: tuple[str, ...] = (
     MEAN_OF_MEANS,
+    MEAN_OF_GLOBAL_MEANS,
     MISSING_1_OVER_K,
     LOCAL_DENOMINATOR,
     DDP_AVERAGE_FORGOTTEN,
     FIXED_DIVISOR_TAIL,
 )
-"""The reweighting bugs, with the names of ``torch_ref.buggy``."""
+"""The reweighting bugs, with the names of ``torch_ref.buggy`` (``mean_of_global_means``
+aside: a DDP loop has no global view of a micro-batch)."""
 
 FORM_NAMES: tuple[str, ...] = (EXACT, *BUG_NAMES)
 """Every known reweighting form, in the order a verdict prefers them when two fit."""
@@ -54,36 +67,53 @@ COUNT_FORMS: tuple[str, ...] = (FIRST_LABEL_COUNTED,)
 """Miscounts of the window's items: checked when the rows' labels are known (the audit reads
 ``batch["labels"]``), after every form of :data:`FORM_NAMES`."""
 
+CLIP_FORMS: tuple[str, ...] = (CLIPPED_PER_MICRO_BATCH,)
+"""Clippings of each micro-batch by its norm: weights that depend on the micro-batches'
+gradients and a threshold (``bigbatch._clipping``); checked last. (Clipping the window
+once is no form of its own: it scales a form's weights by one factor, ``report.clip_scale``.)"""
+
+_SAME_ON_ONE_DEVICE = {MEAN_OF_GLOBAL_MEANS: MEAN_OF_MEANS}  # there, the verdict is the latter
+
 FORMULAS: dict[str, str] = {
     EXACT: "1/N",
     MEAN_OF_MEANS: "1/(k R n_c)",
+    MEAN_OF_GLOBAL_MEANS: "1/(k M_m)",
     MISSING_1_OVER_K: "1/(R n_c)",
     LOCAL_DENOMINATOR: "1/(R N_r)",
     DDP_AVERAGE_FORGOTTEN: "1/(R N)",
     FIXED_DIVISOR_TAIL: "(k_tail/k)/N",
     FIRST_LABEL_COUNTED: "1/(N+F)",
+    CLIPPED_PER_MICRO_BATCH: "min(1, c/|g_m|)/N",
 }
 """The weight of an item of cell ``c`` under each form."""
 
 WHAT_IT_DOES: dict[str, str] = {
     EXACT: "the big batch: one mean over all the window's items",
     MEAN_OF_MEANS: "each micro-batch takes its own mean, then the k means are averaged",
+    MEAN_OF_GLOBAL_MEANS: "each micro-batch takes its own mean over all devices (a global view:"
+    " jax.jit on a sharded batch), then the k means are averaged",
     MISSING_1_OVER_K: "each micro-batch's mean is added without dividing by k",
     LOCAL_DENOMINATOR: "each device divides by its own items, then devices are averaged",
     DDP_AVERAGE_FORGOTTEN: "summed loss / N per device, then the devices are averaged, not added",
     FIXED_DIVISOR_TAIL: "a short window is still divided as if it had k micro-batches",
     FIRST_LABEL_COUNTED: "the items are counted before the causal shift: each row's label at"
     " position 0, never a target, is counted too",
+    CLIPPED_PER_MICRO_BATCH: "each micro-batch's gradient is clipped by its norm alone (to c),"
+    " then the micro-batches are added",
 }
 
 FIXES: dict[str, str] = {
     EXACT: "nothing to fix",
     MEAN_OF_MEANS: "accumulate summed losses and their items; divide once, by the window's N",
+    MEAN_OF_GLOBAL_MEANS: "accumulate summed losses and their items; divide once, by the"
+    " window's N (over all micro-batches, not each one's)",
     MISSING_1_OVER_K: "divide once by the window's N (then there is no 1/k to forget)",
     LOCAL_DENOMINATOR: "add the items over devices before dividing (N, not N_r)",
     DDP_AVERAGE_FORGOTTEN: "add the device gradients (psum), or multiply the loss by R",
     FIXED_DIVISOR_TAIL: "divide a short window by its own items",
     FIRST_LABEL_COUNTED: "count labels[:, 1:] != -100 (the targets after the shift)",
+    CLIPPED_PER_MICRO_BATCH: "clip the window's gradient once, at the boundary (e.g."
+    " jaxaccum.multi_steps(..., max_grad_norm=c))",
 }
 
 
@@ -94,11 +124,12 @@ def form_weights(
 
     .. math::
 
-       \\frac{w_c}{1/N} = 1,\\ \\frac{N}{k R n_c},\\ \\frac{N}{R n_c},\\ \\frac{N}{R N_r},\\
-       \\frac{1}{R},\\ \\frac{k_{tail}}{k},\\ \\frac{N}{N + F}
+       \\frac{w_c}{1/N} = 1,\\ \\frac{N}{k R n_c},\\ \\frac{N}{k M_m},\\ \\frac{N}{R n_c},\\
+       \\frac{N}{R N_r},\\ \\frac{1}{R},\\ \\frac{k_{tail}}{k},\\ \\frac{N}{N + F}
 
-    for ``exact``, ``mean_of_means``, ``missing_1_over_k``, ``local_denominator``,
-    ``ddp_average_forgotten``, ``fixed_divisor_tail`` and ``first_label_counted``.
+    for ``exact``, ``mean_of_means``, ``mean_of_global_means``, ``missing_1_over_k``,
+    ``local_denominator``, ``ddp_average_forgotten``, ``fixed_divisor_tail`` and
+    ``first_label_counted``.
 
     Args:
       name: one of :data:`FORM_NAMES` or :data:`COUNT_FORMS`.
@@ -130,10 +161,12 @@ def form_weights(
     total = items.sum()
     first = np.nan if first_labels is None else float(np.sum(first_labels))
     device_items = np.broadcast_to(items.sum(axis=1, keepdims=True), items.shape)
+    microbatch_items = np.broadcast_to(items.sum(axis=0, keepdims=True), items.shape)
     with np.errstate(divide="ignore", invalid="ignore"):
         weights = {
             EXACT: np.ones_like(items),
             MEAN_OF_MEANS: total / (k * num_devices * items),
+            MEAN_OF_GLOBAL_MEANS: total / (k * microbatch_items),
             MISSING_1_OVER_K: total / (num_devices * items),
             LOCAL_DENOMINATOR: total / (num_devices * device_items),
             DDP_AVERAGE_FORGOTTEN: np.full_like(items, 1.0 / num_devices),
@@ -150,6 +183,8 @@ def checkable_forms(num_devices: int, k_window: int, *, k: int) -> tuple[str, ..
     bug on this shape (a local denominator on one device is the global one; a
     fixed divisor needs a short window; dividing a one-cell window by its own
     items is right). Decided on a window whose cells all hold different items.
+    On one device ``mean_of_global_means`` *is* ``mean_of_means``: only the
+    latter is checked there.
 
     Args:
       num_devices: ``R``.
@@ -168,5 +203,9 @@ def checkable_forms(num_devices: int, k_window: int, *, k: int) -> tuple[str, ..
     return tuple(
         name
         for name in FORM_NAMES
-        if name == EXACT or not np.allclose(form_weights(name, distinct, k=k), 1.0)
+        if name == EXACT
+        or not (
+            np.allclose(form_weights(name, distinct, k=k), 1.0)
+            or (num_devices == 1 and name in _SAME_ON_ONE_DEVICE)
+        )
     )

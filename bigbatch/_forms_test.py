@@ -21,12 +21,23 @@ def test_hand_checked_window_of_2_devices():
     expected = {
         "exact": [[1, 1], [nan, 1]],
         "mean_of_means": [[10 / 4, 10 / 12], [nan, 10 / 24]],  # N / (k R n_c)
+        # micro-batch 0 holds 1 + 0 items over both devices, micro-batch 1 3 + 6: N / (k M_m)
+        "mean_of_global_means": [[10 / 2, 10 / 18], [nan, 10 / 18]],
         "missing_1_over_k": [[10 / 2, 10 / 6], [nan, 10 / 12]],  # N / (R n_c)
         "local_denominator": [[10 / 8, 10 / 8], [nan, 10 / 12]],  # N / (R N_r)
         "ddp_average_forgotten": [[0.5, 0.5], [nan, 0.5]],  # 1 / R
     }
     for name, weights in expected.items():
         np.testing.assert_allclose(bigbatch.form_weights(name, items, k=2), weights, rtol=RTOL)
+
+
+def test_the_global_mean_of_means_is_the_mean_of_means_on_one_device():
+    items = np.array([[2.0, 5.0, 9.0]])  # M_m = n_m: N / (k M_m) = N / (k R n_c)
+    np.testing.assert_allclose(
+        bigbatch.form_weights("mean_of_global_means", items, k=3),
+        bigbatch.form_weights("mean_of_means", items, k=3),
+        rtol=RTOL,
+    )
 
 
 def test_fixed_divisor_tail_is_k_tail_over_k():
@@ -54,8 +65,21 @@ def test_the_numbers_of_the_math_doc():
 @pytest.mark.parametrize(
     "shape, k, forms",
     [
+        # one device: the global mean of means is the mean of means, checked under that name
         ((1, 4), 4, ("exact", "mean_of_means", "missing_1_over_k")),
-        ((2, 1), 1, bigbatch.FORM_NAMES[:5]),  # no tail: all but fixed_divisor_tail
+        ((2, 4), 4, bigbatch.FORM_NAMES[:6]),  # no tail: all but fixed_divisor_tail
+        # one micro-batch per device: its global mean is the big batch
+        (
+            (2, 1),
+            1,
+            (
+                "exact",
+                "mean_of_means",
+                "missing_1_over_k",
+                "local_denominator",
+                "ddp_average_forgotten",
+            ),
+        ),  # fmt: skip
         ((1, 2), 4, ("exact", "mean_of_means", "missing_1_over_k", "fixed_divisor_tail")),
         # a one-cell tail: dividing it by its own items is right, so no missing 1/k there
         ((1, 1), 2, ("exact", "mean_of_means", "fixed_divisor_tail")),
@@ -69,8 +93,11 @@ def test_names_are_those_of_torch_ref():
     buggy = pytest.importorskip(
         "torch_ref.buggy", reason="needs torch: no CPU build for this Python here"
     )
-    assert set(bigbatch.BUG_NAMES) <= set(buggy.VARIANTS)
+    # a DDP loop has no global view of a micro-batch: the global mean of means is JAX's (jit)
+    assert set(bigbatch.BUG_NAMES) - {"mean_of_global_means"} <= set(buggy.VARIANTS)
     assert bigbatch.FORM_NAMES == ("exact", *bigbatch.BUG_NAMES)
+    # torch_ref's clip_per_microbatch variant audits as this form (torch_ref/_audit_test.py)
+    assert bigbatch.CLIP_FORMS == ("clipped_per_micro_batch",)
 
 
 @pytest.mark.parametrize(

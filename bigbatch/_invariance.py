@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from bigbatch._fit import MAX_CONDITION, RESIDUAL_RTOL
+from bigbatch._checks import check_max_grad_norm
 from bigbatch._products import dot, stream_products
-from bigbatch._records import IGNORE_INDEX
+from bigbatch._tolerances import CLIP_RTOL, MAX_CONDITION, RESIDUAL_RTOL
 
 INVARIANCE_RTOL = 1e-5
 """The largest relative difference of an invariant update from the one-batch one: float32
@@ -54,7 +53,11 @@ class InvarianceReport:
       residuals: float64 ``[cuts + 1]``, how far each update (the one-batch one
         first) is from a reweighting of the rows' gradients (the audit's
         residual), or None.
-      note: why there are no weights, if there are none.
+      note: why there are no weights, if there are none; what the one-batch run
+        did with the ``max_grad_norm`` you passed, if you passed one.
+      one_batch_norm: ``|delta_one| / lr``, the norm of the gradient the one-batch
+        run applied (``max_grad_norm`` when it clipped the whole batch).
+      max_grad_norm: the threshold you passed, or None.
     """
 
     cuts: tuple[str, ...]
@@ -64,6 +67,8 @@ class InvarianceReport:
     weights: np.ndarray | None = None
     residuals: np.ndarray | None = None
     note: str = ""
+    one_batch_norm: float = math.nan
+    max_grad_norm: float | None = None
 
     @property
     def invariant(self) -> bool:
@@ -129,6 +134,8 @@ def invariance_report(
     row_items: np.ndarray,
     row_grad: Callable[[int], Sequence[np.ndarray]] | None = None,
     progress: bool = True,
+    learning_rate: float = 1.0,
+    max_grad_norm: float | None = None,
 ) -> InvarianceReport:
     """Compares each cut's update with the one-batch update, and fits the rows' weights.
 
@@ -145,6 +152,12 @@ def invariance_report(
       row_grad: ``row_grad(i)``, the leaves of row ``i``'s gradient (rows with
         items only), or None: no weights.
       progress: a tqdm bar while the rows' gradients are computed.
+      learning_rate: the SGD learning rate of the runs (the one-batch run's
+        gradient norm is ``|delta_one| / lr``).
+      max_grad_norm: the threshold the loop clips to, if any: the note says
+        whether the one-batch run clipped (the reference is then the whole
+        batch's gradient clipped to it, which a loop that clips its window once
+        gives on every cut).
 
     Returns:
       An :class:`InvarianceReport`.
@@ -157,75 +170,54 @@ def invariance_report(
         differences=differences,
         tolerance=INVARIANCE_RTOL,
         row_items=np.asarray(row_items, np.float64),
+        one_batch_norm=float(norms[0] / learning_rate),
+        max_grad_norm=check_max_grad_norm(max_grad_norm),
     )
+    report = dataclasses.replace(report, note=_clip_note(report))
     if row_grad is None:
         return report
     rows = np.argwhere(report.row_items > 0)
     gram, to_updates, _ = stream_products(row_grad, rows, updates, progress=progress)
     eigenvalues = np.linalg.eigvalsh(gram)
     if not eigenvalues[0] > 0 or eigenvalues[-1] / eigenvalues[0] > MAX_CONDITION**2:
-        return dataclasses.replace(report, note="no row weights: the rows' gradients are (nearly)"
-                                   " linearly dependent, e.g. rows that repeat")  # fmt: skip
+        note = "no row weights: the rows' gradients are (nearly) linearly dependent, e.g. rows"
+        return dataclasses.replace(report, note=_joined(report.note, note + " that repeat"))
     fitted = np.linalg.solve(gram, to_updates.T).T  # [updates, rows with items]
     unexplained = norms**2 - np.sum(to_updates * fitted, axis=1)
     residuals = np.sqrt(np.maximum(unexplained, 0.0)) / np.where(norms > 0, norms, 1.0)
     weights = np.full((len(cut_updates), report.row_items.size), np.nan)
     weights[:, rows[:, 0]] = fitted[1:] / fitted[0]
-    note = ""
+    note = report.note
     if np.any(residuals > RESIDUAL_RTOL):
-        note = (
-            f"a residual above {RESIDUAL_RTOL:.0e}: that update is not a reweighting of the rows'"
-            " gradients (e.g. a term the rows' gradients do not hold); its weights are the"
-            " closest fit"
-        )
+        note = _joined(note, f"a residual above {RESIDUAL_RTOL:.0e}: that update is not a"
+                       " reweighting of the rows' gradients (e.g. a term the rows' gradients do"
+                       " not hold); its weights are the closest fit")  # fmt: skip
     return dataclasses.replace(report, weights=weights, residuals=residuals, note=note)
+
+
+def _joined(*notes: str) -> str:
+    return "\n".join(note for note in notes if note)
+
+
+def _clip_note(report: InvarianceReport) -> str:
+    """What the one-batch run did with the ``max_grad_norm`` you passed ("" if none)."""
+    norm, threshold = report.one_batch_norm, report.max_grad_norm
+    if threshold is None:
+        return ""
+    said = f"the one-batch run applied a gradient of norm {norm:#.4g}"
+    if abs(norm - threshold) <= CLIP_RTOL * threshold:
+        return (
+            f"{said}, the max_grad_norm you passed: the whole batch clipped to it, the reference"
+            " every cut is compared with"
+        )
+    if norm < threshold:
+        return (
+            f"{said}, below the max_grad_norm you passed ({threshold:g}): no clip bites at these"
+            " parameters (pass a smaller one to test the clipping)"
+        )
+    return f"{said}, above the max_grad_norm you passed ({threshold:g}): it did not clip"
 
 
 def _distance(a: Leaves, b: Leaves) -> float:
     """``|a - b|`` over every leaf, in float64."""
     return math.sqrt(math.fsum(float(np.sum(np.square(x - y))) for x, y in zip(a, b, strict=True)))
-
-
-def check_cuts(cuts: Any, rows: int) -> list[tuple[int, int]]:
-    """``cuts`` as ``(k, R)`` pairs of ints >= 1 whose ``k R`` divides the rows (every cut
-    uses every row); raises a ``ValueError`` naming ``cuts`` otherwise.
-
-    Example:
-      >>> check_cuts([(2, 1), (2, 2)], rows=8)
-      [(2, 1), (2, 2)]
-    """
-    pairs = list(cuts) if isinstance(cuts, Sequence) else []
-    ok = bool(pairs) and all(
-        isinstance(c, Sequence) and len(c) == 2 and all(isinstance(x, int) and x >= 1 for x in c)
-        for c in pairs
-    )
-    if not ok:
-        raise ValueError(
-            f"cuts: expected a non-empty list of (k, R) pairs of ints >= 1, got {cuts!r}"
-        )
-    for k, ranks in pairs:
-        if rows % (k * ranks):
-            raise ValueError(
-                f"cuts: the cut k={k} x R={ranks} needs a multiple of {k * ranks} rows (every cut"
-                f" uses every row); the batch has {rows}"
-            )
-    return [(int(k), int(ranks)) for k, ranks in pairs]
-
-
-def row_items_of(batch: Any, row_items: Any, rows: int) -> np.ndarray:
-    """The items of each row: ``row_items`` if given, else the targets of ``batch["labels"]``
-    after the causal shift (``labels[:, 1:] != -100``), else one per row; checked.
-
-    Example:
-      >>> row_items_of({"labels": np.array([[1, 2, -100], [3, -100, -100]])}, None, rows=2)
-      array([1., 0.])
-    """
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if row_items is None and labels is not None and np.ndim(labels) == 2:
-        row_items = np.sum(np.asarray(labels)[:, 1:] != IGNORE_INDEX, axis=1)
-    items = np.ones(rows) if row_items is None else np.asarray(row_items, np.float64)
-    if items.shape != (rows,) or not np.all(np.isfinite(items)) or np.any(items < 0):
-        raise ValueError(
-            f"row_items: expected {rows} finite, non-negative items (one per row), got {items!r}"
-        )
-    return items

@@ -33,6 +33,7 @@ def audit_invariance(
     loss_fn: LossFn | None = None,
     row_items: Sequence[float] | None = None,
     learning_rate: float = 1.0,
+    max_grad_norm: float | None = None,
     progress: bool = True,
 ) -> bigbatch.InvarianceReport:
     """Runs your loop for one SGD update on the same rows, cut several ways, and compares.
@@ -62,6 +63,11 @@ def audit_invariance(
       row_items: the items of each row, when there is no ``loss_fn`` (default:
         ``batch["labels"][:, 1:] != -100`` per row, else one per row).
       learning_rate: the SGD learning rate handed to your code.
+      max_grad_norm: the threshold your loop clips the window's gradient norm
+        to, if it clips: the report says whether the one-batch run clipped (its
+        reference is then the whole batch's gradient clipped to it; a loop that
+        clips its window once gives that on every cut, one that clips each
+        micro-batch does not).
       progress: a progress bar while the rows' gradients are computed.
 
     Returns:
@@ -90,6 +96,7 @@ def audit_invariance(
       (True, True)
     """
     _check_params(params)
+    bigbatch.check_max_grad_norm(max_grad_norm)
     batch = jax.tree.map(lambda x: x if hasattr(x, "shape") else np.asarray(x), batch)
     rows = _num_rows(batch)
     if loss_fn is not None:
@@ -114,8 +121,9 @@ def audit_invariance(
         )
     names = [f"k={layout.k} x R={layout.num_devices}" for layout in layouts]
     return bigbatch.invariance_report(
-        names, one_batch, updates, row_items=items, row_grad=row_grad, progress=progress
-    )
+        names, one_batch, updates, row_items=items, row_grad=row_grad, progress=progress,
+        learning_rate=float(learning_rate), max_grad_norm=max_grad_norm,
+    )  # fmt: skip
 
 
 def _takes_devices(window_fn: WindowFn, layouts: list[bigbatch.CellLayout]) -> bool:

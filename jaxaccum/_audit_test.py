@@ -219,7 +219,7 @@ def test_jaxaccum_data_parallel_is_the_big_batch(mode, num_devices):
     assert report.update_error <= 1e-5  # float32, as on one device
 
 
-# ---- not a reweighting, and a reweighting of no known form --------------------------------------
+# ---- not a reweighting --------------------------------------------------------------------------
 
 
 def adam_window(params, microbatches, optimizer):
@@ -245,35 +245,6 @@ def test_a_loop_that_is_no_reweighting_is_unknown_with_a_large_residual(window_f
     assert report.verdict == "unknown" and not report.passed
     assert report.residual >= RESIDUAL_MIN, report
     assert "not a reweighting" in str(report), report
-
-
-NORM = 1.0  # below the norm of every micro-batch's summed-loss gradient here: all four clip
-
-
-def norm_clip_window(params, microbatches, optimizer):
-    """Sums and one division, but each micro-batch's summed-loss gradient clipped by its norm."""
-    n_window = sum(tiny_lm_loss(params, mb)[1] for mb in microbatches)
-    clip = optax.clip_by_global_norm(NORM)
-    grads = [
-        clip.update(jax.grad(lambda p, mb=mb: tiny_lm_loss(p, mb)[0])(params), None)[0]
-        for mb in microbatches
-    ]
-    return sgd_step(params, jax.tree.map(lambda g: g / n_window, tree_sum(grads)), optimizer)
-
-
-def test_clipping_each_microbatch_by_its_norm_is_a_reweighting_of_no_known_form():
-    # clip(G_m) = min(1, c / |G_m|) G_m: each micro-batch reweighted by its coefficient
-    report = audit(norm_clip_window, k=K)
-    assert report.verdict == "unknown" and report.residual <= RESIDUAL_MAX, report
-    layout = bigbatch.layout_rows(np.array(FULL_TOKENS, float), k=K, num_devices=1)
-    cell_grad = lambda ids: jax.grad(
-        lambda p: tiny_lm_loss(p, {n: v[ids] for n, v in FULL.items()})[0]
-    )
-    norms = np.array([float(optax.tree.norm(cell_grad(ids)(PARAMS))) for ids in layout.rows[0]])
-    coefficients = np.minimum(1.0, NORM / norms)
-    assert np.all(coefficients < 0.9)  # the clip bites (else this test would prove nothing)
-    np.testing.assert_allclose(report.weights[0], coefficients, rtol=WEIGHT_RTOL)
-    assert "no known form" in str(report), report
 
 
 # ---- arguments ----------------------------------------------------------------------------------

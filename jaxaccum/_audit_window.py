@@ -27,6 +27,7 @@ def audit_window(
     num_devices: int = 1,
     learning_rate: float = 1.0,
     short_window: bool = False,
+    max_grad_norm: float | None = None,
     progress: bool = True,
 ) -> bigbatch.AuditReport:
     """Recovers how your loop weighs the items of each micro-batch and device of one update.
@@ -63,6 +64,11 @@ def audit_window(
       learning_rate: the SGD learning rate handed to your code.
       short_window: audit a short tail window of ``tail_microbatches(k)`` (=
         ``k // 2``) micro-batches, closed by your code as its epoch's last.
+      max_grad_norm: the threshold your loop clips the window's gradient norm
+        to (``multi_steps(..., max_grad_norm=)``), if it clips: the report says
+        whether the update is clipped to it (``report.clip_kept``; ``passed``
+        needs it). A window clipped once is ``exact`` with ``report.clip_scale
+        < 1`` and ``report.clipped_to`` (the norm ``c``) with or without it.
       progress: a progress bar (tqdm, on stderr) while the cells' gradients
         are computed.
 
@@ -72,8 +78,9 @@ def audit_window(
 
     Returns:
       A ``bigbatch.AuditReport``: ``verdict`` (``"exact"``, a bug of
-      ``bigbatch.BUG_NAMES`` or ``"unknown"``), ``weights`` per cell in units of
-      ``1/N``, ``residual``, ``passed``; ``print(report)`` shows the table.
+      ``bigbatch.BUG_NAMES`` or ``bigbatch.CLIP_FORMS``, or ``"unknown"``),
+      ``weights`` per cell in units of ``1/N``, ``residual``, ``passed``, the
+      clip (``clip_scale``, ``clipped_to``); ``print(report)`` shows the table.
 
     Example:
       >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxaccum
@@ -101,6 +108,7 @@ def audit_window(
     bigbatch.check_window(
         k=k, num_devices=num_devices, learning_rate=learning_rate, short_window=short_window
     )
+    bigbatch.check_max_grad_norm(max_grad_norm)
     for fn, name in ((window_fn, "window_fn"), (loss_fn, "loss_fn")):
         if not callable(fn):
             raise ValueError(f"{name}: expected a function, got {type(fn).__name__} {fn!r}")
@@ -119,8 +127,9 @@ def audit_window(
         cell_grad, update, layout, learning_rate=float(learning_rate), progress=progress
     )
     return bigbatch.audit_update(
-        products, layout, learning_rate=float(learning_rate), params_rounding=_rounding(params)
-    )
+        products, layout, learning_rate=float(learning_rate), params_rounding=_rounding(params),
+        max_grad_norm=max_grad_norm,
+    )  # fmt: skip
 
 
 def _update(window_fn, params, batch, layout, learning_rate, **window_kwargs) -> list[np.ndarray]:

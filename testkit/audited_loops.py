@@ -11,8 +11,11 @@ The bugs are written as they are found in the wild (``docs/math.md``)::
     optax_multisteps       optax.MultiSteps fed each micro-batch's mean-loss gradient
     fixed_divisor_tail     the window's normalization, then Accelerate's fixed / k
     local_denominator      each device divides by its own items (shard_map), then pmean
+    mean_of_global_means   nanoGPT's mean / k under plain jax.jit, the batch sharded (GSPMD)
     ddp_average_forgotten  the global items, but the gradients averaged as DDP does
     jaxaccum_window        jaxaccum's micro-step (``testkit.data_parallel``), exact
+    nnx_multi_steps        nnx.Optimizer over jaxaccum.multi_steps (a Flax NNX loop), exact
+    clipped_per_micro_batch each micro-batch's summed-loss gradient clipped, then / N
 
 ``jaxaccum/_audit_test.py`` audits them on the unit tests' tiny LM,
 ``parity_tests.audits`` on the Flax twin of ``tinygpt``.
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -114,12 +118,37 @@ def fixed_divisor_tail(loss_fn: Callable, k: int) -> WindowFn:
     return window_fn
 
 
-def jaxaccum_window(loss_fn: Callable, k: int, mode: str = "one_device", devices: int = 1):
-    """jaxaccum's micro-step (``testkit.data_parallel``: the README and data-parallel
-    recipes); a short window is closed with ``end_window=True``."""
+def clipped_per_micro_batch(loss_fn: Callable, max_norm: float) -> WindowFn:
+    """Sums and one division, but each micro-batch's summed-loss gradient clipped by its norm
+    first (``optax.chain(optax.clip_by_global_norm(c), multi_steps)``, lesson 5)."""
+    clip = optax.clip_by_global_norm(max_norm)
 
     def window_fn(params, microbatches, optimizer):
-        tx_fn = lambda axis_name: jaxaccum.multi_steps(optimizer, k, axis_name=axis_name)
+        n_window = sum(loss_fn(params, mb)[1] for mb in microbatches)
+        grads = [
+            clip.update(jax.grad(lambda p, mb=mb: loss_fn(p, mb)[0])(params), None)[0]
+            for mb in microbatches
+        ]
+        return sgd_step(params, jax.tree.map(lambda g: g / n_window, tree_sum(grads)), optimizer)
+
+    return window_fn
+
+
+def jaxaccum_window(
+    loss_fn: Callable,
+    k: int,
+    mode: str = "one_device",
+    devices: int = 1,
+    max_grad_norm: float | None = None,
+):
+    """jaxaccum's micro-step (``testkit.data_parallel``: the README and data-parallel
+    recipes), clipping the window to ``max_grad_norm`` if given; a short window is closed
+    with ``end_window=True``."""
+
+    def window_fn(params, microbatches, optimizer):
+        tx_fn = lambda axis_name: jaxaccum.multi_steps(
+            optimizer, k, axis_name=axis_name, max_grad_norm=max_grad_norm
+        )
         loop = data_parallel(tx_fn, loss_fn, mode, devices)
         params, state = loop.init(params)
         for i, mb in enumerate(microbatches):
@@ -132,7 +161,60 @@ def jaxaccum_window(loss_fn: Callable, k: int, mode: str = "one_device", devices
     return window_fn
 
 
+class _NNXParams(nnx.Module):
+    """A Flax NNX module whose ``nnx.Param`` s are a dict of parameters (``values()``)."""
+
+    def __init__(self, params: dict):
+        self.params = nnx.data({name: nnx.Param(value) for name, value in params.items()})
+
+    def values(self) -> dict:
+        return {name: param[...] for name, param in self.params.items()}
+
+
+def nnx_multi_steps(loss_fn: Callable, k: int, max_grad_norm: float | None = None) -> WindowFn:
+    """A Flax NNX loop: ``nnx.Optimizer`` over ``jaxaccum.multi_steps(..., max_grad_norm=)``,
+    each micro-batch's summed loss and its items through ``optimizer.update``."""
+
+    def window_fn(params, microbatches, optimizer):
+        model = _NNXParams(params)
+        tx = jaxaccum.multi_steps(optimizer, k, max_grad_norm=max_grad_norm)
+        accumulator = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        @nnx.jit
+        def micro_step(model, accumulator, batch):
+            summed = lambda m: loss_fn(m.values(), batch)
+            (loss_sum, num_items), grads = nnx.value_and_grad(summed, has_aux=True)(model)
+            accumulator.update(model, grads, num_items=num_items, loss_sum=loss_sum)
+
+        for mb in microbatches:
+            micro_step(model, accumulator, mb)
+        return model.values()
+
+    return window_fn
+
+
 # ---- data parallel ------------------------------------------------------------------------------
+
+
+def mean_of_global_means(loss_fn: Callable, devices: int) -> WindowFn:
+    """nanoGPT's ``mean / k`` under plain ``jax.jit`` with each micro-batch sharded over
+    ``devices`` (GSPMD's global view, Auto axes): the mean is over ALL its devices' items."""
+    mean = mean_of(loss_fn)
+
+    def window_fn(params, microbatches, optimizer):
+        mesh = jax.make_mesh((devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                             devices=jax.devices()[:devices])  # fmt: skip
+        k = len(microbatches)
+        grad = jax.jit(jax.grad(lambda p, mb: mean(p, mb) / k))
+        params = jax.device_put(params, NamedSharding(mesh, P()))
+        rows = NamedSharding(mesh, P(AXIS))  # device r: rows [r * p, (r + 1) * p)
+        grads = [grad(params, jax.device_put(mb, rows)) for mb in microbatches]
+        return sgd_step(params, tree_sum(grads), optimizer)
+
+    return window_fn
+
+
+# ---- data parallel under shard_map --------------------------------------------------------------
 
 
 def under_shard_map(per_device_grads: Callable, devices: int) -> WindowFn:

@@ -26,7 +26,8 @@ Modules::
                     rank (bigbatch's fit and report; the twin of jaxaccum.audit);
                     audit_invariance, audit_trl_grpo: is the update the same for every cut?
                     (_audit_window.py, _audit_trainer.py, _audit_invariance.py,
-                    _audit_trl.py; _trainer_runs.py runs a Trainer for one update)
+                    _audit_trl.py; _audit_loop.py runs your loop for one update,
+                    here or on gloo ranks; _trainer_runs.py runs a Trainer so)
 
 The model is yours: any ``nn.Module`` mapping ``input_ids`` [B, T] to logits
 [B, T, V] (optionally wrapped in ``DistributedDataParallel``). Whole runs as

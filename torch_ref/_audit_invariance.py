@@ -19,14 +19,8 @@ from torch_ref._audit_args import (
     _numpy,
     _rows,
 )
-from torch_ref._audit_window import (
-    LossFn,
-    WindowFn,
-    _grad,
-    _loss_values,
-    _window_here,
-    _window_on_ranks,
-)
+from torch_ref._audit_loop import WindowFn, _window_here, _window_on_ranks
+from torch_ref._audit_window import LossFn, _grad, _loss_values
 
 DEFAULT_CUTS = ((2, 1), (4, 1), (2, 2), (4, 2))
 """``(k, R)``: micro-batches per rank, ranks."""
@@ -41,6 +35,7 @@ def audit_invariance(
     loss_fn: LossFn | None = None,
     row_items: Sequence[float] | None = None,
     learning_rate: float = 1.0,
+    max_grad_norm: float | None = None,
     timeout_s: float = 300.0,
     progress: bool = True,
 ) -> bigbatch.InvarianceReport:
@@ -69,6 +64,11 @@ def audit_invariance(
       row_items: the items of each row, when there is no ``loss_fn`` (default:
         ``batch["labels"][:, 1:] != -100`` per row, else one per row).
       learning_rate: the SGD learning rate handed to your code.
+      max_grad_norm: the threshold your loop clips the window's gradient norm
+        to, if it clips: the report says whether the one-batch run clipped (the
+        reference is then the whole batch's gradient clipped to it; a loop that
+        clips its window once gives that on every cut, one that clips each
+        micro-batch does not).
       timeout_s: the bound of each multi-rank run.
       progress: a progress bar while the rows' gradients are computed.
 
@@ -83,6 +83,7 @@ def audit_invariance(
       report.invariant, report.breaking   # -> (False, 'k=4 x R=2')
     """
     _check_callable(window_fn, "window_fn")
+    bigbatch.check_max_grad_norm(max_grad_norm)
     params = _check_model(model)
     batch = _check_batch(batch)
     items = _items(loss_fn, model, batch, row_items)
@@ -98,8 +99,9 @@ def audit_invariance(
         row_grad = lambda i: _grad(loss_fn, model, params, _rows(batch, [i]))
     names = [f"k={layout.k} x R={layout.num_devices}" for layout in layouts]
     return bigbatch.invariance_report(
-        names, one_batch, updates, row_items=items, row_grad=row_grad, progress=progress
-    )
+        names, one_batch, updates, row_items=items, row_grad=row_grad, progress=progress,
+        learning_rate=float(learning_rate), max_grad_norm=max_grad_norm,
+    )  # fmt: skip
 
 
 def _update(window_fn, lr, timeout_s, model, batch, params, layout) -> list[np.ndarray]:

@@ -58,11 +58,13 @@ def audit_hf_trainer(
     The audit sets what the method needs (a ``ValueError`` names any of these
     you pass with another value): ``optim="sgd"`` (``optim_args=None``: no
     momentum), ``lr_scheduler_type="constant"``, ``warmup_steps=0``,
-    ``weight_decay=0.0``, ``max_grad_norm=0.0`` (no clipping),
-    ``label_smoothing_factor=0.0``, ``neftune_noise_alpha=None``,
+    ``weight_decay=0.0``, ``label_smoothing_factor=0.0``, ``neftune_noise_alpha=None``,
     ``train_sampling_strategy="sequential"`` (no shuffling), ``gradient_accumulation_steps=k``, ``per_device_train_batch_size``
     (the rows of one cell), ``max_steps=1`` (one optimizer step). It defaults
-    ``learning_rate=1.0``, ``use_cpu=True``, ``report_to="none"``,
+    ``max_grad_norm=0.0`` (no clipping: a ``max_grad_norm > 0`` of yours is
+    the Trainer's clip of the window, and the report's ``clip_kept`` says
+    whether the update is clipped to it), ``learning_rate=1.0``,
+    ``use_cpu=True``, ``report_to="none"``,
     ``save_strategy="no"``, ``logging_strategy="no"``, ``disable_tqdm=True``,
     ``dataloader_num_workers=0``, ``ddp_find_unused_parameters=False`` and a
     temporary ``output_dir``. Everything else is yours (e.g.
@@ -129,9 +131,11 @@ def audit_hf_trainer(
             f"trainer_class: expected a subclass of transformers.Trainer, got {trainer_class!r}"
         )
     run = functools.partial(_trainer_run, settings, trainer_class, timeout_s)
+    max_grad_norm = settings["max_grad_norm"] or None  # the Trainer clips for a value > 0
     return _audit(
         run, hf_causal_lm_loss_sum, model, batch, k=k, world_size=world_size,
-        learning_rate=learning_rate, short_window=False, progress=progress,
+        learning_rate=learning_rate, short_window=False,
+        max_grad_norm=bigbatch.check_max_grad_norm(max_grad_norm), progress=progress,
     )  # fmt: skip
 
 
@@ -143,7 +147,6 @@ def _trainer_settings(training_args: dict[str, Any], k: int, rows_per_cell: int)
         "lr_scheduler_type": "constant",
         "warmup_steps": 0,
         "weight_decay": 0.0,
-        "max_grad_norm": 0.0,
         "label_smoothing_factor": 0.0,
         "neftune_noise_alpha": None,
         "train_sampling_strategy": "sequential",
@@ -155,10 +158,11 @@ def _trainer_settings(training_args: dict[str, Any], k: int, rows_per_cell: int)
         if name in training_args and training_args[name] != value:
             raise ValueError(
                 f"training_args: the audit sets {name}={value!r} itself (SGD, one step, a constant"
-                f" learning rate, no clipping, noise or shuffling), got"
+                f" learning rate, no noise or shuffling), got"
                 f" {name}={training_args[name]!r}"
             )
     defaults = {
+        "max_grad_norm": 0.0,
         "learning_rate": 1.0,
         "use_cpu": True,
         "report_to": "none",

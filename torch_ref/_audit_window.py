@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import copy
 import functools
-import os
-import tempfile
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 import bigbatch
-from torch_ref import ddp
 from torch_ref._audit_args import (
     Batch,
     _check_batch,
@@ -23,12 +19,11 @@ from torch_ref._audit_args import (
     _check_window,
     _num_rows,
     _numpy,
-    _parameters,
     _rounding,
     _rows,
 )
+from torch_ref._audit_loop import WindowFn, _window_here, _window_on_ranks
 
-WindowFn = Callable[[nn.Module, torch.optim.Optimizer, list[Batch]], None]
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, Any]]
 # run(model, batch, layout) -> the parameters after your update, one array per parameter
 Runner = Callable[[nn.Module, Batch, bigbatch.CellLayout], list[np.ndarray]]
@@ -44,6 +39,7 @@ def audit_window(
     world_size: int = 1,
     learning_rate: float = 1.0,
     short_window: bool = False,
+    max_grad_norm: float | None = None,
     timeout_s: float = 300.0,
     progress: bool = True,
 ) -> bigbatch.AuditReport:
@@ -82,6 +78,11 @@ def audit_window(
       learning_rate: the SGD learning rate handed to your code.
       short_window: audit a short tail window of ``k // 2`` micro-batches,
         closed by your code as its epoch's last.
+      max_grad_norm: the threshold your loop clips the window's gradient norm
+        to (``clip_grad_norm_`` before ``optimizer.step()``), if it clips: the
+        report says whether the update is clipped to it (``report.clip_kept``;
+        ``passed`` needs it). A window clipped once is ``exact`` with
+        ``report.clip_scale < 1`` and ``report.clipped_to`` with or without it.
       timeout_s: the bound of a multi-rank run, start-up included.
       progress: a progress bar (tqdm, on stderr) while the cells' gradients are
         computed.
@@ -93,9 +94,10 @@ def audit_window(
 
     Returns:
       A ``bigbatch.AuditReport`` (the JAX audit's): ``verdict`` (``"exact"``, a
-      name of ``bigbatch.BUG_NAMES`` = ``torch_ref.buggy.VARIANTS``, or
-      ``"unknown"``), ``weights`` per cell in units of ``1/N``, ``residual``,
-      ``passed``; ``print(report)`` shows the table.
+      name of ``bigbatch.BUG_NAMES`` (``torch_ref.buggy.VARIANTS``' names) or
+      ``bigbatch.CLIP_FORMS``, or ``"unknown"``), ``weights`` per cell in units
+      of ``1/N``, ``residual``, ``passed``, the clip (``clip_scale``,
+      ``clipped_to``); ``print(report)`` shows the table.
 
     Example:
       >>> import torch, torch_ref
@@ -120,6 +122,7 @@ def audit_window(
       ('mean_of_means', [[7.0, 14.0]], [[1.5, 0.75]])
     """
     _check_window(k, world_size, learning_rate, short_window)
+    bigbatch.check_max_grad_norm(max_grad_norm)
     _check_callable(window_fn, "window_fn")
     if world_size == 1:
         run = functools.partial(_window_here, window_fn, learning_rate)
@@ -127,7 +130,7 @@ def audit_window(
         run = functools.partial(_window_on_ranks, window_fn, learning_rate, timeout_s)
     return _audit(
         run, loss_fn, model, batch, k=k, world_size=world_size, learning_rate=learning_rate,
-        short_window=short_window, progress=progress,
+        short_window=short_window, max_grad_norm=max_grad_norm, progress=progress,
     )  # fmt: skip
 
 
@@ -141,6 +144,7 @@ def _audit(
     world_size: int,
     learning_rate: float,
     short_window: bool,
+    max_grad_norm: float | None,
     progress: bool,
 ) -> bigbatch.AuditReport:
     """Layout, your update (``run``), the cells' gradients streamed, ``bigbatch``'s fit."""
@@ -154,8 +158,9 @@ def _audit(
         cell_grad, update, layout, learning_rate=float(learning_rate), progress=progress
     )
     return bigbatch.audit_update(
-        products, layout, learning_rate=float(learning_rate), params_rounding=_rounding(params)
-    )
+        products, layout, learning_rate=float(learning_rate), params_rounding=_rounding(params),
+        max_grad_norm=max_grad_norm,
+    )  # fmt: skip
 
 
 def _layout(loss_fn, model, batch, k, world_size, short_window) -> bigbatch.CellLayout:
@@ -168,120 +173,6 @@ def _layout(loss_fn, model, batch, k, world_size, short_window) -> bigbatch.Cell
     return bigbatch.audit_layout(
         row_items, batch, k=k, num_devices=world_size, short_window=short_window
     )
-
-
-# ---- running your loop --------------------------------------------------------------------------
-
-
-def _microbatches(batch: Batch, layout: bigbatch.CellLayout, rank: int) -> list[Batch]:
-    """Rank ``rank``'s micro-batches: the cells of device ``rank`` of the layout."""
-    return [_rows(batch, cell) for cell in layout.rows[rank]]
-
-
-def _step(window_fn: WindowFn, model: nn.Module, microbatches: list[Batch], lr: float) -> None:
-    """Your loop for one update, with the SGD the audit hands over."""
-    window_fn(model, torch.optim.SGD(model.parameters(), lr=lr), microbatches)
-
-
-def _window_here(
-    window_fn: WindowFn, lr: float, model: nn.Module, batch: Batch, layout: bigbatch.CellLayout
-) -> list[np.ndarray]:
-    """One rank, in this process, on a copy of the model; the parameters after the update."""
-    model = copy.deepcopy(model)
-    _step(window_fn, model, _microbatches(batch, layout, 0), lr)
-    model.zero_grad(set_to_none=True)  # the copy's gradients: freed before the audit goes on
-    return _numpy(_parameters(model))
-
-
-def _window_on_ranks(
-    window_fn: WindowFn,
-    lr: float,
-    timeout_s: float,
-    model: nn.Module,
-    batch: Batch,
-    layout: bigbatch.CellLayout,
-) -> list[np.ndarray]:
-    """``layout.num_devices`` gloo ranks, each with its cells, the model under DDP."""
-    per_rank = [_microbatches(batch, layout, r) for r in range(layout.num_devices)]
-    results = _on_ranks(
-        layout.num_devices, _rank_window, model, per_rank, window_fn, lr, timeout_s=timeout_s
-    )
-    return _same_on_every_rank(results, _parameters(model), "window_fn")
-
-
-def _rank_window(rank, world_size, model, per_rank, window_fn, lr) -> RankParameters:
-    """One rank of `_window_on_ranks`: DDP around its own copy of the model, its cells."""
-    del world_size
-    wrapped = nn.parallel.DistributedDataParallel(model)
-    _step(window_fn, wrapped, per_rank[rank], lr)
-    return _rank0_parameters(rank, model)
-
-
-def _on_ranks(
-    world_size, fn, model, data, *args, timeout_s: float, environ: Mapping[str, str] | None = None
-) -> list[Any]:
-    """``fn(rank, world_size, model, data, *args)`` on gloo ranks (`ddp.run`), each on its own copy.
-
-    ``model`` and ``data`` travel in a ``torch.save`` file: as arguments,
-    torch.multiprocessing would hand the ranks the tensors in SHARED memory, and
-    every rank would step the same parameters. ``environ``: variables each rank
-    sets before it loads them (the ranks fork from a server started earlier, with
-    the environment of that moment; loading a model may import what reads them).
-    """
-    with tempfile.TemporaryDirectory(prefix="torch_ref_audit_") as folder:
-        payload = os.path.join(folder, "model_and_data.pt")
-        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
-        torch.save((model if on_cpu else copy.deepcopy(model).cpu(), data), payload)
-        environ = dict(environ or {})
-        return ddp.run(world_size, _rank_main, fn, payload, args, environ, timeout_s=timeout_s)
-
-
-def _rank_main(rank, world_size, fn, payload: str, args, environ: dict[str, str]) -> Any:
-    os.environ.update(environ)
-    model, data = torch.load(payload, weights_only=False)
-    return fn(rank, world_size, model, data, *args)
-
-
-class RankParameters(NamedTuple):
-    """A rank's answer: rank 0's parameters after the update (None on the other ranks), and
-    the squared distance of this rank's parameters to them."""
-
-    params: list[np.ndarray] | None
-    distance_sq: float
-
-
-def _rank0_parameters(rank: int, model: nn.Module) -> RankParameters:
-    """Inside a rank: rank 0's parameters, and how far this rank's are from them (a broadcast
-    per parameter; only rank 0 sends its parameters back)."""
-    distance_sq = 0.0
-    for p in _parameters(model) if torch.distributed.is_initialized() else ():
-        theirs = p.detach().clone()
-        torch.distributed.broadcast(theirs, src=0)
-        distance_sq += float((p.detach() - theirs).double().square().sum())
-    return RankParameters(_numpy(_parameters(model)) if rank == 0 else None, distance_sq)
-
-
-def _same_on_every_rank(
-    results: list[RankParameters], old: list[nn.Parameter], what: str
-) -> list[np.ndarray]:
-    """Rank 0's parameters, after checking that every rank holds them (DDP keeps replicas equal)."""
-    new = results[0].params
-    moved_sq = sum(
-        float(np.sum(np.square(n.astype(np.float64) - p.detach().double().numpy())))
-        for n, p in zip(new, old, strict=True)
-    )
-    for rank, result in enumerate(results[1:], start=1):
-        gap = (result.distance_sq / max(moved_sq, 1e-300)) ** 0.5
-        if not gap <= bigbatch.RESIDUAL_RTOL:
-            raise ValueError(
-                f"{what}: rank {rank}'s parameters differ from rank 0's after the update by"
-                f" {gap:.1e} of it: the ranks did not apply one common update (a step outside"
-                " DistributedDataParallel's all-reduce, e.g. no_sync() around every micro-batch?)"
-            )
-    return new
-
-
-# ---- the reference loss and its gradients -------------------------------------------------------
 
 
 def _loss_values(loss_fn: LossFn, model: nn.Module, batch: Batch) -> tuple[torch.Tensor, float]:

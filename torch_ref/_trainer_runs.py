@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from torch_ref._audit_args import _parameters
-from torch_ref._audit_window import (
+from torch_ref._audit_loop import (
     RankParameters,
     _on_ranks,
     _rank0_parameters,

@@ -1,0 +1,201 @@
+"""The audit report as a person reads it: the headline, the table of cells and the notes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from bigbatch._forms import CLIPPED_PER_MICRO_BATCH, EXACT, FIXES, UNKNOWN, WHAT_IT_DOES
+
+if TYPE_CHECKING:
+    from bigbatch._report import AuditReport
+
+
+def _times(weight: float) -> str:
+    """``12.3456 -> '12.3x'``: a weight as a multiple of the big batch's."""
+    return "-" if np.isnan(weight) else f"{weight:#.3g}x"
+
+
+def _cell_name(report: AuditReport, r: int, m: int) -> str:
+    """``micro-batch m``, ``device r, micro-batch m``, or ``device r`` if its cells weigh alike."""
+    if report.num_devices == 1:
+        return f"micro-batch {m}"
+    device = report.weights[r][~np.isnan(report.weights[r])]
+    if device.size > 1 and np.ptp(device) <= report.weight_tolerance * np.max(np.abs(device)):
+        return f"device {r}"
+    return f"device {r}, micro-batch {m}"
+
+
+def _extremes(report: AuditReport) -> list[tuple[int, int]]:
+    """The cells whose weights are farthest above and below the big batch's."""
+    w = report.weights
+    cells = [(r, m) for r in range(w.shape[0]) for m in range(w.shape[1]) if not np.isnan(w[r, m])]
+    high = max(cells, key=lambda c: w[c])
+    low = min(cells, key=lambda c: w[c])
+    found = [c for c in (high, low) if abs(w[c] - 1.0) > report.weight_tolerance]
+    return list(dict.fromkeys(found))  # one cell when high and low are the same
+
+
+def _threshold(report: AuditReport) -> str:
+    """``= the max_grad_norm you passed``, ``not the max_grad_norm 1 you passed``, or ``""``."""
+    if report.clip_kept is None:
+        return ""
+    if report.clip_kept:
+        return "= the max_grad_norm you passed"
+    return f"not the max_grad_norm {report.max_grad_norm:g} you passed"
+
+
+def headline(report: AuditReport) -> str:
+    """The sentence a person reads first."""
+    w = report.weights[~np.isnan(report.weights)]
+    if not report.finite:
+        return "your update is not finite (NaN or inf): nothing to fit"
+    if not report.moved:
+        return "your loop did not change the parameters (did its window close?)"
+    if report.residual > report.residual_tolerance:
+        return (
+            f"your update is not a reweighting of the micro-batches' gradients (residual"
+            f" {report.residual:.1e}): not plain SGD on an accumulated gradient"
+        )
+    if report.verdict == EXACT and report.clipped_once:
+        said = _threshold(report)
+        return (
+            f"your loop is the big batch clipped once per window to c ="
+            f" {report.clipped_to:#.4g}" + (f" ({said})" if said else "")
+        )
+    if report.verdict == EXACT:
+        unclipped = "" if report.clip_kept is not False else ", but it does not clip it"
+        return (
+            f"your loop weighs every item like the big batch (within"
+            f" {report.max_weight_error:.1e}){unclipped}"
+        )
+    if np.ptp(w) <= report.weight_tolerance * np.max(np.abs(w)):
+        return f"your loop weighs every item at {_times(float(w[0]))} the big batch"
+    said = [
+        f"{_cell_name(report, r, m)} at {_times(float(report.weights[r, m]))}"
+        for r, m in _extremes(report)
+    ]
+    if not said:  # every cell within the tolerance of the big batch, the fit aside
+        return f"your loop weighs every item within {report.max_weight_error:.1e} of the big batch"
+    return f"your loop weighs an item of {said[0]} the big batch" + "".join(
+        f", one of {other}" for other in said[1:]
+    )
+
+
+def content(report: AuditReport) -> tuple[str, list[list[str]], list[str], list[str]]:
+    """The header line, the table (first row: the column names), a remark per row, the notes."""
+    devices = f"{report.num_devices} device" + ("s" if report.num_devices > 1 else "")
+    window = f"{report.k_window} micro-batches x {devices}, {report.items.sum():g} items"
+    if report.short_window:
+        window += f", a short window (k = {report.k})"
+    header = f"Audit of one accumulated SGD update ({window}): {report.summary()}"
+    expected = report.verdict_weights
+    if report.verdict in (EXACT, UNKNOWN) and not report.clipped_once:
+        expected = None  # the big batch's column says it
+    column = report.verdict + (", clipped" if report.clipped_once else "")
+    table = [
+        ["device", "micro-batch", "items", "your weight", "big batch"]
+        + [column] * (expected is not None)
+    ]
+    remarks = [""]
+    for r in range(report.num_devices):
+        for m in range(report.k_window):
+            empty = report.items[r, m] == 0
+            row = [str(r), str(m), f"{report.items[r, m]:g}", _times(report.weights[r, m])]
+            row.append("-" if empty else _times(1.0))
+            if expected is not None:
+                row.append(_times(expected[r, m]))
+            table.append(row)
+            remarks.append("no item: zero gradient, left out of the fit" if empty else "")
+    return header, table, remarks, _notes(report)
+
+
+def _unknown_because(report: AuditReport) -> str:
+    """What an ``unknown`` verdict most likely means, from the fit's numbers."""
+    if not report.finite:
+        empty = ", ".join(_cell_name(report, r, m) for r, m in report.empty_cells) or "none"
+        return (
+            "the update has NaN or inf: a division by the items of a cell without any? (cells"
+            f" without items: {empty}); with rows that all have items the weights can be fitted"
+        )
+    if report.residual > report.residual_tolerance:
+        return (
+            "a different optimizer than the `optimizer` handed to your code (e.g. Adam),"
+            " clipping or normalizing elementwise, weight decay, noise; the weights above"
+            " are only the closest fit"
+        )
+    if not report.moved:
+        return "no update: an accumulator still waiting for micro-batches gives none"
+    closest = min(report.form_errors, key=report.form_errors.get)
+    return (
+        f"a reweighting, but of no known form (closest: {closest}, off by"
+        f" {report.form_errors[closest]:.1%}): e.g. each device's micro-batch clipped by its"
+        " own norm, or a loss other than the reference one"
+    )
+
+
+def _clip_notes(report: AuditReport) -> list[str]:
+    """What the audit saw of clipping, and of the ``max_grad_norm`` you passed."""
+    said = _threshold(report)
+    threshold = f", {said}" if said else ""
+    if report.clipped_once:
+        return [
+            f"clipped once per window: every weight is {report.verdict}'s times"
+            f" {report.clip_scale:.4g} = c / |g|, c = {report.clipped_to:#.4g} (the norm of the"
+            f" applied gradient{threshold}), |g| = {report.grad_norm:#.4g} before the clip"
+        ]
+    if report.verdict == CLIPPED_PER_MICRO_BATCH:
+        weights = report.verdict_weights
+        cut = [m for m in range(report.k_window) if np.any(weights[:, m] < 1.0)]
+        whole = len(cut) < report.k_window
+        base = report.clip_base
+        notes = [
+            f"micro-batches {', '.join(map(str, cut))} clipped to c = {report.clipped_to:#.4g}"
+            f" each (the norm of its share of the gradient{threshold})"
+            + ("; the others, below c, added whole" if whole else "")
+        ]
+        if base != EXACT:
+            notes.append(f"before the clip, a {base}: {WHAT_IT_DOES[base]}; fix: {FIXES[base]}")
+        return notes
+    if report.verdict == UNKNOWN or report.max_grad_norm is None:
+        return []
+    side = "below" if report.grad_norm <= report.max_grad_norm else "above"
+    effect = "no clip at these parameters" if report.clip_kept else "yet it was not clipped"
+    return [
+        f"the window's gradient norm |g| = {report.grad_norm:#.4g} is {side} the max_grad_norm"
+        f" you passed ({report.max_grad_norm:g}): {effect}"
+    ]
+
+
+def _notes(report: AuditReport) -> list[str]:
+    verdict = f"verdict: {report.verdict}: {WHAT_IT_DOES.get(report.verdict, '')}"
+    if report.verdict == UNKNOWN:
+        verdict = f"verdict: unknown: {_unknown_because(report)}"
+    match = " (match, clipped)" if report.clipped_once else " (match)"
+    forms = " | ".join(
+        f"{name} {error:.1e}" + (match if name in report.matches else "")
+        for name, error in report.form_errors.items()
+    )
+    notes = [verdict, *_clip_notes(report)]
+    if len(report.matches) > 1:
+        others = ", ".join(report.matches[1:])
+        notes.append(
+            f"this window weighs {report.verdict} and {others} alike: it cannot tell them apart"
+        )
+    if report.verdict not in (EXACT, UNKNOWN):
+        notes.append(f"fix: {FIXES[report.verdict]}")
+    reweighting = "yes" if report.residual <= report.residual_tolerance else "no"
+    notes += [
+        f"a reweighting of the cells' gradients: {reweighting} (residual {report.residual:.1e};"
+        f" at most {report.residual_tolerance:.0e} for one)",
+        f"total weight of the window's items: {report.scale:.4f} (the big batch: 1)",
+        f"distance to the big-batch update: {report.update_error:.1e} (relative)",
+        f"known forms, largest relative weight error (a match: at most"
+        f" {report.weight_tolerance:.0e}): {forms}",
+        "weights are multiples of the big batch's 1/N"
+        + ("; device r holds rows [r*p, (r+1)*p) of each micro-batch" * (report.num_devices > 1)),
+    ]
+    if report.left_out_rows:
+        notes.append(f"{report.left_out_rows} batch rows were in no cell (not a multiple of cells)")
+    return notes

@@ -1,0 +1,134 @@
+"""Your loop for one update of the audit: here on a copy of the model, or on gloo ranks.
+
+`torch_ref.audit.audit_window` and `audit_invariance` run ``window_fn`` once per window
+they audit, with the ``torch.optim.SGD`` the audit hands over; on ``R > 1`` ranks each rank
+gets its cells (`bigbatch.CellLayout`: rank ``r`` the cells of device ``r``), the model
+under ``DistributedDataParallel``, and the ranks must end with one set of parameters. The
+Hugging Face and TRL audits run their trainers on the same ranks (`torch_ref._trainer_runs`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+import bigbatch
+from torch_ref import ddp
+from torch_ref._audit_args import Batch, _numpy, _parameters, _rows
+
+WindowFn = Callable[[nn.Module, torch.optim.Optimizer, list[Batch]], None]
+
+
+def _microbatches(batch: Batch, layout: bigbatch.CellLayout, rank: int) -> list[Batch]:
+    """Rank ``rank``'s micro-batches: the cells of device ``rank`` of the layout."""
+    return [_rows(batch, cell) for cell in layout.rows[rank]]
+
+
+def _step(window_fn: WindowFn, model: nn.Module, microbatches: list[Batch], lr: float) -> None:
+    """Your loop for one update, with the SGD the audit hands over."""
+    window_fn(model, torch.optim.SGD(model.parameters(), lr=lr), microbatches)
+
+
+def _window_here(
+    window_fn: WindowFn, lr: float, model: nn.Module, batch: Batch, layout: bigbatch.CellLayout
+) -> list[np.ndarray]:
+    """One rank, in this process, on a copy of the model; the parameters after the update."""
+    model = copy.deepcopy(model)
+    _step(window_fn, model, _microbatches(batch, layout, 0), lr)
+    model.zero_grad(set_to_none=True)  # the copy's gradients: freed before the audit goes on
+    return _numpy(_parameters(model))
+
+
+def _window_on_ranks(
+    window_fn: WindowFn,
+    lr: float,
+    timeout_s: float,
+    model: nn.Module,
+    batch: Batch,
+    layout: bigbatch.CellLayout,
+) -> list[np.ndarray]:
+    """``layout.num_devices`` gloo ranks, each with its cells, the model under DDP."""
+    per_rank = [_microbatches(batch, layout, r) for r in range(layout.num_devices)]
+    results = _on_ranks(
+        layout.num_devices, _rank_window, model, per_rank, window_fn, lr, timeout_s=timeout_s
+    )
+    return _same_on_every_rank(results, _parameters(model), "window_fn")
+
+
+def _rank_window(rank, world_size, model, per_rank, window_fn, lr) -> RankParameters:
+    """One rank of `_window_on_ranks`: DDP around its own copy of the model, its cells."""
+    del world_size
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    _step(window_fn, wrapped, per_rank[rank], lr)
+    return _rank0_parameters(rank, model)
+
+
+def _on_ranks(
+    world_size, fn, model, data, *args, timeout_s: float, environ: Mapping[str, str] | None = None
+) -> list[Any]:
+    """``fn(rank, world_size, model, data, *args)`` on gloo ranks (`ddp.run`), each on its own copy.
+
+    ``model`` and ``data`` travel in a ``torch.save`` file: as arguments,
+    torch.multiprocessing would hand the ranks the tensors in SHARED memory, and
+    every rank would step the same parameters. ``environ``: variables each rank
+    sets before it loads them (the ranks fork from a server started earlier, with
+    the environment of that moment; loading a model may import what reads them).
+    """
+    with tempfile.TemporaryDirectory(prefix="torch_ref_audit_") as folder:
+        payload = os.path.join(folder, "model_and_data.pt")
+        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+        torch.save((model if on_cpu else copy.deepcopy(model).cpu(), data), payload)
+        environ = dict(environ or {})
+        return ddp.run(world_size, _rank_main, fn, payload, args, environ, timeout_s=timeout_s)
+
+
+def _rank_main(rank, world_size, fn, payload: str, args, environ: dict[str, str]) -> Any:
+    os.environ.update(environ)
+    model, data = torch.load(payload, weights_only=False)
+    return fn(rank, world_size, model, data, *args)
+
+
+class RankParameters(NamedTuple):
+    """A rank's answer: rank 0's parameters after the update (None on the other ranks), and
+    the squared distance of this rank's parameters to them."""
+
+    params: list[np.ndarray] | None
+    distance_sq: float
+
+
+def _rank0_parameters(rank: int, model: nn.Module) -> RankParameters:
+    """Inside a rank: rank 0's parameters, and how far this rank's are from them (a broadcast
+    per parameter; only rank 0 sends its parameters back)."""
+    distance_sq = 0.0
+    for p in _parameters(model) if torch.distributed.is_initialized() else ():
+        theirs = p.detach().clone()
+        torch.distributed.broadcast(theirs, src=0)
+        distance_sq += float((p.detach() - theirs).double().square().sum())
+    return RankParameters(_numpy(_parameters(model)) if rank == 0 else None, distance_sq)
+
+
+def _same_on_every_rank(
+    results: list[RankParameters], old: list[nn.Parameter], what: str
+) -> list[np.ndarray]:
+    """Rank 0's parameters, after checking that every rank holds them (DDP keeps replicas equal)."""
+    new = results[0].params
+    moved_sq = sum(
+        float(np.sum(np.square(n.astype(np.float64) - p.detach().double().numpy())))
+        for n, p in zip(new, old, strict=True)
+    )
+    for rank, result in enumerate(results[1:], start=1):
+        gap = (result.distance_sq / max(moved_sq, 1e-300)) ** 0.5
+        if not gap <= bigbatch.RESIDUAL_RTOL:
+            raise ValueError(
+                f"{what}: rank {rank}'s parameters differ from rank 0's after the update by"
+                f" {gap:.1e} of it: the ranks did not apply one common update (a step outside"
+                " DistributedDataParallel's all-reduce, e.g. no_sync() around every micro-batch?)"
+            )
+    return new
