@@ -13,8 +13,10 @@ logits the trainer's default loss averages: the big batch of a token-level SFT o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -91,6 +93,15 @@ def on_mesh(params: dict, devices: int) -> tuple[jax.sharding.Mesh, nnx.Module]:
     return mesh, nnx.merge(graphdef, jax.device_put(params, shardings), rest)
 
 
+@contextlib.contextmanager
+def mesh_warning_ignored() -> Iterator[None]:
+    """Tunix reads the mesh from ``with mesh:`` (``pxla.thread_resources``), which JAX deprecates
+    for ``jax.set_mesh`` (that one leaves Tunix without a mesh): its warning, left out."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*context manager has been deprecated")
+        yield
+
+
 def train_one_update(params, microbatches, optimizer, *, devices: int, fixed: bool) -> dict:
     """One update of ``len(microbatches)`` micro-batches: ``PeftTrainer`` (or the fix) trains a
     fresh model from ``params``; its new parameters, as a pure dict."""
@@ -107,11 +118,8 @@ def train_one_update(params, microbatches, optimizer, *, devices: int, fixed: bo
         {"input_tokens": jnp.asarray(mb["input_tokens"]), "input_mask": jnp.asarray(mb["labels"] != -100)}
         for mb in microbatches
     ]
-    with standard_numerics(), warnings.catch_warnings():
-        # Tunix reads the mesh from `with mesh:` (pxla.thread_resources), which JAX deprecates
-        warnings.filterwarnings("ignore", message=".*context manager has been deprecated")
-        with mesh:
-            trainer.train(examples)
+    with standard_numerics(), mesh_warning_ignored(), mesh:
+        trainer.train(examples)
     return jax.device_get(nnx.state(model, nnx.Param).to_pure_dict())
 
 
@@ -127,3 +135,25 @@ def audit(*, k: int, devices: int = 1, fixed: bool = False, progress: bool = Fal
         learning_rate=rows_lib.LEARNING_RATE, progress=progress,
     )  # fmt: skip
 
+
+
+VERSION = "google-tunix 0.1.7"
+SHIPPED = ((1, 2), (2, 1), (4, 1), (2, 2))
+"""``(gradient_accumulation_steps, devices)`` audited as shipped (one micro-batch on one
+device is one cell: nothing to audit), then with the fix (`FIXED`)."""
+FIXED = ((2, 1), (4, 1), (2, 2))
+
+
+def measured() -> list[rows_lib.Measured]:
+    """The table's rows of ``PeftTrainer``: as shipped, then ``ExactPeftTrainer``."""
+    rows = []
+    for fixed, cases in ((False, SHIPPED), (True, FIXED)):
+        for k, devices in cases:
+            rows.append(
+                rows_lib.Measured.of_window(
+                    audit(k=k, devices=devices, fixed=fixed), trainer="Tunix PeftTrainer",
+                    version=VERSION, config=f"gradient_accumulation_steps={k}, {devices} device(s)",
+                    route="ExactPeftTrainer" if fixed else "as shipped",
+                )  # fmt: skip
+            )
+    return rows

@@ -1,0 +1,180 @@
+"""Every audited configuration of the JAX trainers: the run, its record, the docs' table.
+
+`run_all` audits Tunix's ``PeftTrainer`` (as shipped and with `ExactPeftTrainer`), Tunix's
+``GRPOLearner`` (each ``loss_agg_mode``, with and without empty completions), MaxText's
+pre-training step (native GA and the Tunix flag, in a process per device count) and
+MaxText's SFT trainer; `EXPECTED` is each verdict as the trainers' code predicts it.
+``docs/jax-trainers.json`` keeps a run (`record`, ``python -m jax_trainers --write``);
+``docs/jax-trainers.md``'s table and the demo's rows (`demo`) are rendered from it, so
+the environments without the trainers show the recorded results, labelled as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from jax_trainers.rows import Measured
+from parity_tests import docs_blocks
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RECORD = ROOT / "docs" / "jax-trainers.json"
+DOC = ROOT / "docs" / "jax-trainers.md"
+BLOCK = "jax-trainers"
+PACKAGES = ("google-tunix", "maxtext", "jax", "flax", "optax")
+MAXTEXT_TIMEOUT_S = 600
+"""One MaxText process (imports, set-up, two compiled steps, two audits: about a minute)."""
+GRPO_EMPTY = ("with empty completions", "no empty completion")
+EXPECTED = {
+    ("Tunix PeftTrainer", "as shipped"): {
+        "gradient_accumulation_steps=1, 2 device(s)": "exact",
+        "gradient_accumulation_steps=2, 1 device(s)": "mean_of_means",
+        "gradient_accumulation_steps=4, 1 device(s)": "mean_of_means",
+        "gradient_accumulation_steps=2, 2 device(s)": "mean_of_global_means",
+    },
+    ("Tunix PeftTrainer", "ExactPeftTrainer"): {
+        "gradient_accumulation_steps=2, 1 device(s)": "exact",
+        "gradient_accumulation_steps=4, 1 device(s)": "exact",
+        "gradient_accumulation_steps=2, 2 device(s)": "exact",
+    },
+    ("Tunix GRPOLearner", "as shipped"): {
+        f"loss_agg_mode={mode}, {empty}": verdict
+        for mode, empty, verdict in [
+            ("token-mean", GRPO_EMPTY[0], "depends"),
+            *[(m, GRPO_EMPTY[0], "depends") for m in (
+                "sequence-mean-token-mean", "sequence-mean-token-scale",
+                "seq-mean-token-sum", "sequence-mean-token-sum-norm")],
+            *[(m, GRPO_EMPTY[1], "invariant") for m in (
+                "sequence-mean-token-mean", "sequence-mean-token-scale",
+                "seq-mean-token-sum", "sequence-mean-token-sum-norm")],
+        ]
+    },  # fmt: skip
+    ("MaxText pre-train step", "as shipped"): {
+        f"gradient_accumulation_steps=4, use_tunix_gradient_accumulation={flag}, {r} device(s)": v
+        for flag, r, v in [
+            ("False (default)", 1, "exact"), ("True", 1, "mean_of_means"),
+            ("False (default)", 2, "exact"), ("True", 2, "mean_of_global_means"),
+        ]
+    },  # fmt: skip
+    ("MaxText SFT (MaxTextPeftTrainer)", "as shipped"): {
+        "gradient_accumulation_steps=2, 1 device(s)": "error: AttributeError: 'NoneType' object has no attribute 'add'",
+    },
+}
+"""``(trainer, route) -> {config: verdict}``: ``depends`` stands for any cut that breaks it."""
+
+
+def expected(row: Measured) -> str | None:
+    """The verdict `EXPECTED` gives ``row`` (None: not a configuration of the table)."""
+    return EXPECTED.get((row.trainer, row.route), {}).get(row.config)
+
+
+def matches(row: Measured) -> bool:
+    """Whether ``row``'s verdict is the expected one."""
+    want = expected(row)
+    return want == row.verdict or (want == "depends" and row.verdict.startswith("depends"))
+
+
+def maxtext_rows(devices: int) -> list[Measured]:
+    """`jax_trainers.maxtext_step` in a process of ``devices`` CPU devices."""
+    command = [sys.executable, "-m", "jax_trainers.maxtext_step", "--devices", str(devices)]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=MAXTEXT_TIMEOUT_S, env=env, cwd=ROOT
+    )
+    from jax_trainers.maxtext_step import ROWS_LINE
+
+    lines = [line for line in done.stdout.splitlines() if line.startswith(ROWS_LINE)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return [Measured(**row) for row in json.loads(lines[-1][len(ROWS_LINE) :])]
+
+
+def run_all() -> list[Measured]:
+    """Every row (this process must have 8 fake CPU devices for Tunix's meshes)."""
+    from jax_trainers import maxtext_sft, tunix_grpo, tunix_sft
+
+    rows = tunix_sft.measured() + tunix_grpo.measured()
+    rows += maxtext_rows(1) + maxtext_rows(2) + maxtext_sft.measured()
+    return rows
+
+
+def record(rows: list[Measured]) -> None:
+    """Writes ``docs/jax-trainers.json``: the rows, the date, the packages' versions."""
+    recorded = {
+        "date": datetime.date.today().isoformat(),
+        "versions": {name: importlib.metadata.version(name) for name in PACKAGES},
+        "rows": [dataclasses.asdict(row) for row in rows],
+    }
+    RECORD.write_text(json.dumps(recorded, indent=1) + "\n")
+
+
+def recorded() -> tuple[dict, list[Measured]]:
+    """The record: its header (date, versions) and its rows."""
+    data = json.loads(RECORD.read_text())
+    return {k: v for k, v in data.items() if k != "rows"}, [Measured(**r) for r in data["rows"]]
+
+
+def _weights(row: Measured) -> str:
+    shown = [f"{w:.3g}" if w is not None else "-" for w in row.weights]
+    if len(shown) > 8:  # an invariance row: each sequence group; give the range
+        known = [w for w in row.weights if w is not None]
+        return f"{min(known):.3g} to {max(known):.3g}"
+    return ", ".join(shown)
+
+
+def markdown(rows: list[Measured]) -> str:
+    """The table: trainer, version, config, route, verdict, weights, error."""
+    lines = [
+        "| trainer | version | config | route | verdict | weights (x big batch) | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        error = "-" if r.error != r.error else f"{r.error:.1e}"  # NaN: no update to compare
+        cells = [r.trainer, r.version, r.config, r.route, f"`{r.verdict}`", _weights(r), error]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def recorded_block() -> str:
+    """``docs/jax-trainers.md``'s block, rendered from the record."""
+    header, rows = recorded()
+    versions = ", ".join(f"{name} {version}" for name, version in header["versions"].items())
+    caption = f"Recorded on {header['date']}, 2 CPU cores ({versions})."
+    how = "python -m jax_trainers --write records what follows"
+    return "\n".join(
+        [docs_blocks.begin(BLOCK, how), markdown(rows), "", caption, docs_blocks.end(BLOCK)]
+    )
+
+
+def demo() -> str:
+    """The demo's section: the recorded rows, labelled as recorded (the trainers need their own
+    environment, `make jax-trainers`)."""
+    header, rows = recorded()
+    versions = ", ".join(f"{name} {version}" for name, version in header["versions"].items())
+    lines = [
+        f"The JAX trainers, RECORDED by make jax-trainers on {header['date']} ({versions}):",
+        f"{'trainer':<34} {'config':<58} {'route':<17} verdict",
+    ]
+    for r in rows:
+        lines.append(f"{r.trainer:<34} {r.config:<58} {r.route:<17} {r.verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jax_trainers [--write]``: every row, checked against `EXPECTED`; ``--write``
+    records them and renders the docs' block. Exit status 1 when a verdict is not expected."""
+    rows = run_all()
+    print(markdown(rows))
+    wrong = [f"{r.trainer} {r.config} {r.route}: {r.verdict}" for r in rows if not matches(r)]
+    if "--write" in (argv or []):
+        record(rows)
+        DOC.write_text(docs_blocks.replace_block(DOC.read_text(), BLOCK, recorded_block()))
+    for line in wrong:
+        print(f"FAIL, not the expected verdict: {line}")
+    return 1 if wrong else 0
