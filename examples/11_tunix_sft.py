@@ -44,7 +44,9 @@ def main() -> int:
     n = tokens.sum()
     mean_of_means = n / (K * tokens)  # each micro-batch's mean, averaged: in units of 1/N
     print(f"micro-batches of {tokens.astype(int).tolist()} target tokens ({n:g} in the update):")
-    print(f"a token weighs {', '.join(f'{w:.3g}' for w in shipped.weights[0])} x the big batch's 1/{n:g}")
+    print(
+        f"a token weighs {', '.join(f'{w:.3g}' for w in shipped.weights[0])} x the big batch's 1/{n:g}"
+    )
     print(f"the update is {shipped.update_error:.0%} away from the big batch's\n")
     # the audit's fit: float32 gradients, ~1e-6 from the formula (its tolerance: 1e-3)
     assert shipped.verdict == "mean_of_means", shipped

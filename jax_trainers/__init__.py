@@ -13,3 +13,7 @@ Not part of the wheel, and needs the trainers' own environment (``.venv-jax-trai
 
 ``docs/jax-trainers.md`` tells what each verdict follows from in the trainers' code.
 """
+
+from jax_trainers.rows import offline
+
+offline()  # before any trainer (and huggingface_hub) is imported: the audits reach no network

@@ -8,7 +8,6 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)  # before any JAX operation: Tunix's meshes
 
-from jax_trainers import rows, table  # noqa: E402
+from jax_trainers import table  # noqa: E402
 
-rows.offline()
 sys.exit(table.main(sys.argv[1:]))

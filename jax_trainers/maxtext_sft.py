@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import optax
+from maxtext.trainers.post_train.sft.train_sft import MaxTextPeftTrainer
+from tunix.sft import peft_trainer
 
 from jax_trainers import rows as rows_lib
 from jax_trainers import tunix_sft
 from testkit import standard_numerics
-
-from maxtext.trainers.post_train.sft.train_sft import MaxTextPeftTrainer  # noqa: E402
-from tunix.sft import peft_trainer  # noqa: E402
 
 
 def train_error(k: int = 2) -> str:
@@ -55,8 +54,12 @@ def measured() -> list[rows_lib.Measured]:
     error = train_error(2)
     return [
         rows_lib.Measured(
-            trainer="MaxText SFT (MaxTextPeftTrainer)", version="maxtext 0.2.5 on google-tunix 0.1.7",
-            config="gradient_accumulation_steps=2, 1 device(s)", route="as shipped",
-            verdict=f"error: {error}" if error else "no error", weights=[], error=float("nan"),
+            trainer="MaxText SFT (MaxTextPeftTrainer)",
+            version="maxtext 0.2.5 on google-tunix 0.1.7",
+            config="gradient_accumulation_steps=2, 1 device(s)",
+            route="as shipped",
+            verdict=f"error: {error}" if error else "no error",
+            weights=[],
+            error=float("nan"),
         )  # fmt: skip
     ]

@@ -183,7 +183,9 @@ def measured(devices: int) -> list[rows_lib.Measured]:
         report = audit(K, devices, route)
         rows.append(
             rows_lib.Measured.of_window(
-                report, trainer="MaxText pre-train step", version=VERSION,
+                report,
+                trainer="MaxText pre-train step",
+                version=VERSION,
                 config=f"gradient_accumulation_steps={K}, {flag}, {devices} device(s)",
                 route="as shipped",
             )  # fmt: skip
@@ -196,7 +198,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jax_trainers.maxtext_step")
     parser.add_argument("--devices", type=int, required=True)
     args = parser.parse_args(argv)
-    rows_lib.offline()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 

@@ -47,19 +47,33 @@ EXPECTED = {
         f"loss_agg_mode={mode}, {empty}": verdict
         for mode, empty, verdict in [
             ("token-mean", GRPO_EMPTY[0], "depends"),
-            *[(m, GRPO_EMPTY[0], "depends") for m in (
-                "sequence-mean-token-mean", "sequence-mean-token-scale",
-                "seq-mean-token-sum", "sequence-mean-token-sum-norm")],
-            *[(m, GRPO_EMPTY[1], "invariant") for m in (
-                "sequence-mean-token-mean", "sequence-mean-token-scale",
-                "seq-mean-token-sum", "sequence-mean-token-sum-norm")],
+            *[
+                (m, GRPO_EMPTY[0], "depends")
+                for m in (
+                    "sequence-mean-token-mean",
+                    "sequence-mean-token-scale",
+                    "seq-mean-token-sum",
+                    "sequence-mean-token-sum-norm",
+                )
+            ],
+            *[
+                (m, GRPO_EMPTY[1], "invariant")
+                for m in (
+                    "sequence-mean-token-mean",
+                    "sequence-mean-token-scale",
+                    "seq-mean-token-sum",
+                    "sequence-mean-token-sum-norm",
+                )
+            ],
         ]
     },  # fmt: skip
     ("MaxText pre-train step", "as shipped"): {
         f"gradient_accumulation_steps=4, use_tunix_gradient_accumulation={flag}, {r} device(s)": v
         for flag, r, v in [
-            ("False (default)", 1, "exact"), ("True", 1, "mean_of_means"),
-            ("False (default)", 2, "exact"), ("True", 2, "mean_of_global_means"),
+            ("False (default)", 1, "exact"),
+            ("True", 1, "mean_of_means"),
+            ("False (default)", 2, "exact"),
+            ("True", 2, "mean_of_global_means"),
         ]
     },  # fmt: skip
     ("MaxText SFT (MaxTextPeftTrainer)", "as shipped"): {
@@ -91,7 +105,9 @@ def maxtext_rows(devices: int) -> list[Measured]:
 
     lines = [line for line in done.stdout.splitlines() if line.startswith(ROWS_LINE)]
     if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}"
+        )
     return [Measured(**row) for row in json.loads(lines[-1][len(ROWS_LINE) :])]
 
 

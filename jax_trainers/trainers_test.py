@@ -12,6 +12,8 @@ import math
 
 import pytest
 
+import jax_trainers  # noqa: F401  (sets the Hub offline before the trainers are imported)
+
 NEEDS = "needs google-tunix 0.1.7 and maxtext 0.2.5: make jax-trainers (.venv-jax-trainers)"
 pytest.importorskip("tunix", reason=NEEDS)
 pytest.importorskip("maxtext", reason=NEEDS)
@@ -44,7 +46,11 @@ def test_every_configuration_of_the_table_is_measured(fresh):
 
 
 def test_each_verdict_is_the_one_the_trainers_code_predicts(fresh):
-    wrong = [f"{key(r)}: {r.verdict}, expected {table.expected(r)}" for r in fresh if not table.matches(r)]
+    wrong = [
+        f"{key(r)}: {r.verdict}, expected {table.expected(r)}"
+        for r in fresh
+        if not table.matches(r)
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -63,7 +69,9 @@ def test_the_record_is_a_fresh_run(fresh):
         assert old.verdict == new.verdict, key(new)
         assert len(old.weights) == len(new.weights), key(new)
         for a, b in zip(old.weights, new.weights, strict=True):
-            assert (a is None) == (b is None) and (a is None or math.isclose(a, b, rel_tol=WEIGHT_RTOL))
+            assert (a is None) == (b is None) and (
+                a is None or math.isclose(a, b, rel_tol=WEIGHT_RTOL)
+            )
         if old.error <= NOISE or new.error <= NOISE:  # both float32 rounding
             assert max(old.error, new.error) <= NOISE, key(new)
         elif not math.isnan(new.error):

@@ -23,15 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tunix.rl import algo_core, common, rl_cluster
+from tunix.rl.grpo import grpo_learner
+from tunix.rl.rollout import base_rollout
 
 import jaxaccum
 from jax_trainers import rows as rows_lib
 from jax_trainers import tunix_sft
 from testkit import standard_numerics
-
-from tunix.rl import algo_core, common, rl_cluster  # noqa: E402  (rows_lib set OFFLINE)
-from tunix.rl.grpo import grpo_learner  # noqa: E402
-from tunix.rl.rollout import base_rollout  # noqa: E402
 
 MODES = (
     "token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale",
@@ -228,8 +227,11 @@ def measured() -> list[rows_lib.Measured]:
     cases = [(mode, True) for mode in MODES] + [(mode, False) for mode in MODES[1:]]
     return [
         rows_lib.Measured.of_invariance(
-            audit(mode, empty=empty), trainer="Tunix GRPOLearner", version=tunix_sft.VERSION,
-            config=f"loss_agg_mode={mode}, {EMPTY[empty]}", route="as shipped",
+            audit(mode, empty=empty),
+            trainer="Tunix GRPOLearner",
+            version=tunix_sft.VERSION,
+            config=f"loss_agg_mode={mode}, {EMPTY[empty]}",
+            route="as shipped",
         )  # fmt: skip
         for mode, empty in cases
     ]

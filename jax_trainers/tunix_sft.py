@@ -22,17 +22,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from tunix.models.llama3 import model as llama3
+from tunix.sft import peft_trainer, utils
+from tunix.utils import mesh as tunix_mesh
 
 import jaxaccum
 from jax_trainers import rows as rows_lib
+from jax_trainers.tunix_fix import ExactPeftTrainer
 from testkit import standard_numerics
-
-rows_lib.offline()
-from tunix.models.llama3 import model as llama3  # noqa: E402
-from tunix.sft import peft_trainer, utils  # noqa: E402
-from tunix.utils import mesh as tunix_mesh  # noqa: E402
-
-from jax_trainers.tunix_fix import ExactPeftTrainer  # noqa: E402
 
 CONFIG = llama3.ModelConfig(
     num_layers=1, vocab_size=rows_lib.VOCAB, embed_dim=16, hidden_dim=32, num_heads=2,
@@ -115,7 +112,10 @@ def train_one_update(params, microbatches, optimizer, *, devices: int, fixed: bo
     if fixed:
         trainer = trainer.with_loss_fn(summed_loss)
     examples = [
-        {"input_tokens": jnp.asarray(mb["input_tokens"]), "input_mask": jnp.asarray(mb["labels"] != -100)}
+        {
+            "input_tokens": jnp.asarray(mb["input_tokens"]),
+            "input_mask": jnp.asarray(mb["labels"] != -100),
+        }
         for mb in microbatches
     ]
     with standard_numerics(), mesh_warning_ignored(), mesh:
@@ -136,7 +136,6 @@ def audit(*, k: int, devices: int = 1, fixed: bool = False, progress: bool = Fal
     )  # fmt: skip
 
 
-
 VERSION = "google-tunix 0.1.7"
 SHIPPED = ((1, 2), (2, 1), (4, 1), (2, 2))
 """``(gradient_accumulation_steps, devices)`` audited as shipped (one micro-batch on one
@@ -151,8 +150,10 @@ def measured() -> list[rows_lib.Measured]:
         for k, devices in cases:
             rows.append(
                 rows_lib.Measured.of_window(
-                    audit(k=k, devices=devices, fixed=fixed), trainer="Tunix PeftTrainer",
-                    version=VERSION, config=f"gradient_accumulation_steps={k}, {devices} device(s)",
+                    audit(k=k, devices=devices, fixed=fixed),
+                    trainer="Tunix PeftTrainer",
+                    version=VERSION,
+                    config=f"gradient_accumulation_steps={k}, {devices} device(s)",
                     route="ExactPeftTrainer" if fixed else "as shipped",
                 )  # fmt: skip
             )
