@@ -33,8 +33,9 @@ ROUTES = {"native": "False", "tunix": "True"}
 """``use_tunix_gradient_accumulation`` of each route."""
 
 
-def overrides(k: int, devices: int, tunix: str) -> dict[str, object]:
-    """The config: a tiny model, SGD, one step; ``k`` micro-batches of ``devices`` x 2 rows."""
+def overrides(k: int, devices: int, tunix: str, clip: float) -> dict[str, object]:
+    """The config: a tiny model, SGD, one step, ``k`` micro-batches over ``devices``; MaxText's
+    clipping of the window's gradient norm to ``clip`` (0: none; MaxText's default is 1)."""
     return dict(
         run_name="jaxaccum_audit", base_output_directory="/tmp/jaxaccum_maxtext", hardware="cpu",
         dataset_type="synthetic", enable_checkpointing=False, enable_tensorboard=False, steps=1,
@@ -44,7 +45,7 @@ def overrides(k: int, devices: int, tunix: str) -> dict[str, object]:
         base_num_decoder_layers=1, dtype="float32", weight_dtype="float32",
         attention="dot_product", enable_dropout=False, packing=False, opt_type="sgd",
         learning_rate=rows_lib.LEARNING_RATE, warmup_steps_fraction=0.0,
-        learning_rate_final_fraction=1.0, gradient_clipping_threshold=0.0,
+        learning_rate_final_fraction=1.0, gradient_clipping_threshold=clip,
         gradient_accumulation_steps=k, use_tunix_gradient_accumulation=tunix,
     )  # fmt: skip
 
@@ -61,7 +62,7 @@ class Step:
 
 
 @functools.cache
-def step(k: int, devices: int, tunix: str) -> Step:
+def step(k: int, devices: int, tunix: str, clip: float) -> Step:
     """MaxText's own set-up of ``train_loop`` (``trainers/pre_train/train.py:1139-1194``)."""
     import maxtext
     from flax import nnx
@@ -70,7 +71,9 @@ def step(k: int, devices: int, tunix: str) -> Step:
     from maxtext.utils import sharding, train_utils
 
     config_file = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
-    argv = ["", str(config_file)] + [f"{n}={v}" for n, v in overrides(k, devices, tunix).items()]
+    argv = ["", str(config_file)] + [
+        f"{n}={v}" for n, v in overrides(k, devices, tunix, clip).items()
+    ]
     config = pyconfig.initialize(argv)
     set_up = train_utils.setup_train_loop(config, None)
     shardings, mesh, eval_data, state = set_up[2], set_up[4], set_up[9], set_up[10]
@@ -149,48 +152,56 @@ def reference_loss(params: dict, batch: dict, *, run: Step):
     return jaxaccum.losses.causal_lm(logits, jnp.asarray(batch["labels"]))
 
 
-def audit(k: int, devices: int, route: str):
-    """``jaxaccum.audit.audit_window`` of one MaxText step (``route``: native or tunix)."""
+def audit(k: int, devices: int, route: str, clip: float = 0.0):
+    """``jaxaccum.audit.audit_window`` of one MaxText step (``route``: native or tunix), told
+    MaxText's clipping threshold (``clip``, 0: none)."""
     import jax
 
     import jaxaccum
     from testkit import standard_numerics
 
-    run = step(k, devices, ROUTES[route])
+    run = step(k, devices, ROUTES[route], clip)
     params = params_of(run.graphdef, run.state)
     window_fn = lambda params, microbatches, optimizer: train_one_update(run, params, microbatches)
     with standard_numerics(), jax.set_mesh(run.mesh):
         return jaxaccum.audit.audit_window(
             window_fn, functools.partial(reference_loss, run=run), params,
             rows_lib.skewed_rows(), k=k, num_devices=devices,
-            learning_rate=rows_lib.LEARNING_RATE, progress=False,
+            learning_rate=rows_lib.LEARNING_RATE, max_grad_norm=clip or None, progress=False,
         )  # fmt: skip
 
 
 ROWS_LINE = "jax_trainers rows: "
 K = 4
 """The micro-batches of every audited MaxText window (``gradient_accumulation_steps``)."""
-CONFIGS = {
-    "native": "use_tunix_gradient_accumulation=False (default)",
-    "tunix": "use_tunix_gradient_accumulation=True",
+CASES = {
+    1: (("native", 0.0), ("tunix", 0.0), ("native", 0.1)),
+    2: (("native", 0.0), ("tunix", 0.0)),
 }
+"""Per device count, ``(route, gradient_clipping_threshold)``: clipping off, then a threshold
+below the window's gradient norm (about 0.6 here, under MaxText's default of 1): the audit
+reads a window clipped once as its form, clipped, and checks the norm it was clipped to."""
+
+
+def config_name(route: str, clip: float, devices: int) -> str:
+    """``"gradient_accumulation_steps=4, use_tunix_gradient_accumulation=..., 1 device(s)"``."""
+    flag = "True" if route == "tunix" else "False (default)"
+    clipping = f", gradient_clipping_threshold={clip:g}" if clip else ""
+    return f"gradient_accumulation_steps={K}, use_tunix_gradient_accumulation={flag}{clipping}, {devices} device(s)"
 
 
 def measured(devices: int) -> list[rows_lib.Measured]:
-    """Both routes on ``devices`` devices (the process must have exactly that many)."""
-    rows = []
-    for route, flag in CONFIGS.items():
-        report = audit(K, devices, route)
-        rows.append(
-            rows_lib.Measured.of_window(
-                report,
-                trainer="MaxText pre-train step",
-                version=VERSION,
-                config=f"gradient_accumulation_steps={K}, {flag}, {devices} device(s)",
-                route="as shipped",
-            )  # fmt: skip
-        )
-    return rows
+    """The `CASES` of ``devices`` devices (the process must have exactly that many)."""
+    return [
+        rows_lib.Measured.of_window(
+            audit(K, devices, route, clip),
+            trainer="MaxText pre-train step",
+            version=VERSION,
+            config=config_name(route, clip, devices),
+            route="as shipped",
+        )  # fmt: skip
+        for route, clip in CASES[devices]
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

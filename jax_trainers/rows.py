@@ -50,12 +50,14 @@ class Measured:
       version: the package and its version, ``"google-tunix 0.1.7"``.
       config: the settings, ``"gradient_accumulation_steps=2, 1 device"``.
       route: ``"as shipped"`` or the fix (``"ExactPeftTrainer"``).
-      verdict: the audit's verdict (``bigbatch`` form name, ``"invariant"``,
-        ``"depends on the cut"``, or ``"error: ..."``).
+      verdict: the audit's verdict (``bigbatch`` form name, with ``", clipped once to
+        c"`` for a window clipped as a whole; ``"invariant"``, ``"depends on the cut"``;
+        or ``"error: ..."``).
       weights: each cell's weight in units of the big batch's ``1/N`` (device-major,
-        ``None`` for a cell without items), or each cut's worst row weight.
+        ``None`` for a cell without items), or each row's weight in the last cut
+        against the one-batch run.
       error: ``|update - big batch| / |big batch|`` (the window audit), or the worst
-        difference from the one-batch update (the invariance audit).
+        difference from the one-batch update over the cuts (the invariance audit).
     """
 
     trainer: str
@@ -76,10 +78,9 @@ class Measured:
 
     @classmethod
     def of_invariance(cls, report: bigbatch.InvarianceReport, **names: str) -> Measured:
-        """A row from an invariance audit's report: the rows' weights of its worst cut."""
-        verdict = "invariant" if report.invariant else f"depends on the cut ({report.breaking})"
+        """A row from an invariance audit's report: the rows' weights in its last cut."""
+        verdict = "invariant" if report.invariant else "depends on the cut"
         weights = []
         if report.weights is not None:
-            worst = report.weights[int(np.argmax(report.differences))]
-            weights = [None if np.isnan(w) else round(float(w), 4) for w in worst]
+            weights = [None if np.isnan(w) else round(float(w), 4) for w in report.weights[-1]]
         return cls(verdict=verdict, weights=weights, error=float(report.worst), **names)

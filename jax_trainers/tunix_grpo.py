@@ -30,13 +30,10 @@ from tunix.rl.rollout import base_rollout
 import jaxaccum
 from jax_trainers import rows as rows_lib
 from jax_trainers import tunix_sft
+from jax_trainers.table import GRPO_EMPTY, GRPO_MODES
 from testkit import standard_numerics
 
-MODES = (
-    "token-mean", "sequence-mean-token-mean", "sequence-mean-token-scale",
-    "seq-mean-token-sum", "sequence-mean-token-sum-norm",
-)  # fmt: skip
-"""Every ``loss_agg_mode`` of Tunix 0.1.7 (``tunix/rl/common.py:533-596``)."""
+MODES = GRPO_MODES
 GENERATIONS = 2
 PROMPT_LEN = 4
 MAX_COMPLETION = rows_lib.SEQ_LEN - PROMPT_LEN
@@ -218,7 +215,7 @@ def audit(mode: str, *, empty: bool = True, cuts=CUTS, progress: bool = False):
     )  # fmt: skip
 
 
-EMPTY = {True: "with empty completions", False: "no empty completion"}
+EMPTY = dict(zip((True, False), GRPO_EMPTY, strict=True))
 
 
 def measured() -> list[rows_lib.Measured]:
