@@ -72,9 +72,10 @@ class Measured:
     def of_window(cls, report: bigbatch.AuditReport, **names: str) -> Measured:
         """A row from a window audit's report."""
         weights = [None if np.isnan(w) else round(float(w), 4) for w in report.weights.ravel()]
-        return cls(
-            verdict=report.verdict, weights=weights, error=float(report.update_error), **names
-        )
+        verdict = report.verdict
+        if report.clipped_once:  # the window's gradient clipped as a whole, to clipped_to
+            verdict += f", clipped once to {report.clipped_to:.3g}"
+        return cls(verdict=verdict, weights=weights, error=float(report.update_error), **names)
 
     @classmethod
     def of_invariance(cls, report: bigbatch.InvarianceReport, **names: str) -> Measured:

@@ -58,11 +58,7 @@ EXPECTED = {
         for flag, r, v in [
             ("False (default)", 1, "exact"),
             ("True", 1, "mean_of_means"),
-            (
-                "False (default), gradient_clipping_threshold=1.0 (default)",
-                1,
-                "exact, clipped once to 1",
-            ),
+            ("False (default), gradient_clipping_threshold=0.1", 1, "exact, clipped once to 0.1"),
             ("False (default)", 2, "exact"),
             ("True", 2, "mean_of_global_means"),
         ]
