@@ -187,8 +187,8 @@ def reference_loss(params, batch, *, mode: str):
     flat = lambda x: jnp.reshape(x, (-1,) + x.shape[2:])  # [groups, G, ...] -> sequences
     completions = flat(jnp.asarray(batch["completion_ids"]))
     prompts = jnp.repeat(jnp.asarray(batch["prompt_ids"]), GENERATIONS, axis=0)
-    advantages = algo_core.compute_advantages(flat(jnp.asarray(batch["rewards"])), GENERATIONS)
-    with standard_numerics():
+    with standard_numerics():  # Tunix's code
+        advantages = algo_core.compute_advantages(flat(jnp.asarray(batch["rewards"])), GENERATIONS)
         logps = common.compute_per_token_logps(
             model_graph, state, prompts, completions, PAD_ID, EOS_ID, stop_gradient=False
         )

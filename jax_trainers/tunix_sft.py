@@ -61,8 +61,8 @@ def reference_loss(params: dict, batch: dict) -> tuple[jax.Array, jax.Array]:
     graphdef, _, rest = model_parts()
     model = nnx.merge(graphdef, params, rest)
     tokens = jnp.asarray(batch["input_tokens"])
-    inputs = model_inputs(tokens)
-    with standard_numerics():
+    with standard_numerics():  # Tunix's code
+        inputs = model_inputs(tokens)
         logits, _ = model(tokens, inputs["positions"], None, inputs["attention_mask"])
     return jaxaccum.losses.causal_lm(logits, jnp.asarray(batch["labels"]))
 
