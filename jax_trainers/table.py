@@ -154,17 +154,39 @@ def recorded_block() -> str:
     )
 
 
+SHORT_NAMES = {
+    "gradient_accumulation_steps": "GA",
+    "use_tunix_gradient_accumulation": "tunix_ga",
+    "gradient_clipping_threshold": "clip",
+    "loss_agg_mode=": "",
+    "device(s)": "dev",
+}
+"""The demo's short names of the settings (its lines fit a terminal)."""
+
+
+def _short(config: str) -> str:
+    for name, short in SHORT_NAMES.items():
+        config = config.replace(name, short)
+    return config
+
+
 def demo() -> str:
     """The demo's section: the recorded rows, labelled as recorded (the trainers need their own
     environment, `make jax-trainers`)."""
     header, rows = recorded()
     versions = ", ".join(f"{name} {version}" for name, version in header["versions"].items())
+    cells = [("trainer", "config", "route", "verdict")]
+    cells += [(r.trainer, _short(r.config), r.route, r.verdict) for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(3)]
     lines = [
-        f"The JAX trainers, RECORDED by make jax-trainers on {header['date']} ({versions}):",
-        f"{'trainer':<34} {'config':<58} {'route':<17} verdict",
+        f"The JAX trainers, RECORDED by make jax-trainers on {header['date']} ({versions});",
+        "GA: gradient_accumulation_steps, tunix_ga: use_tunix_gradient_accumulation, clip:"
+        " gradient_clipping_threshold (docs/jax-trainers.md)",
     ]
-    for r in rows:
-        lines.append(f"{r.trainer:<34} {r.config:<58} {r.route:<17} {r.verdict}")
+    for row in cells:
+        lines.append(
+            "  ".join(c.ljust(w) for c, w in zip(row[:3], widths, strict=True)) + "  " + row[3]
+        )
     return "\n".join(lines)
 
 
