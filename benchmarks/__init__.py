@@ -12,9 +12,11 @@ Run ``python -m benchmarks --out docs/benchmarks.md`` (``make bench``); see
 5. ``jax_vs_torch`` tokens per second, jaxaccum vs torch_ref
 6. ``gpu``          accumulation overhead on one GPU (``--device cuda``)
 7. ``loss_scale_start`` fp16 windows skipped at the start: jaxaccum vs
-                    GradScaler, and the old summed-loss backward
+                    GradScaler, and the old summed-loss backward (the MLP and
+                    its windows: ``_fp16_mlp``)
 8. ``audit_cost``   the audit's time and peak memory against parameters, JAX
-                    and torch, up to GPT-2 small (``make audit-gpt2``: those alone)
+                    and torch, up to GPT-2 small (``make audit-gpt2``: those alone;
+                    one audit in its process: ``_audit_runs``)
 
 Compiled programs are read by ``testkit.hlo``. Importing this package runs
 no JAX operation (the entry point first fakes 8 CPU devices).

@@ -73,7 +73,7 @@ def _runners(quick: bool, device: str) -> dict:
                 micro_step.Case(mlp, "adamw", rows=16),
                 micro_step.Case(mlp, "lamb", rows=16, donation=(True,)),
             ],
-            k=4,
+            ks=(2, 4) if quick else (2, 4, 8),
             rounds=rounds,
         ),
         2: lambda: scan.run(

@@ -64,7 +64,7 @@ def test_interleaved_medians():
 
 
 def test_micro_step(mlp):
-    section = micro_step.run([micro_step.Case(mlp, rows=2)], k=K, rounds=1)
+    section = micro_step.run([micro_step.Case(mlp, rows=2)], ks=(K,), rounds=1)
     results = section.data["results"]
     assert {(r["label"], r["donate"]) for r in results} == {
         (label, donate) for label in ("jaxaccum", "optax.MultiSteps") for donate in (True, False)

@@ -100,15 +100,23 @@ class Case:
     donation: tuple[bool, ...] = (True, False)
 
 
-def run(cases: list[Case], *, k: int = 4, rounds: int = 5) -> Section:
-    """Times every case, donated and not, and reads each variant's HLO.
+def run(cases: list[Case], *, ks: tuple[int, ...] = (4,), rounds: int = 5) -> Section:
+    """Times every case, donated and not, for every window size, and reads the HLO.
 
     Args:
       cases: the comparisons (``optax.MultiSteps`` must be among each case's labels:
         it is the baseline of the ratios).
-      k: micro-steps per window.
+      ks: micro-steps per window, one comparison each; the copy analysis reads the
+        window of 4 micro-steps when it is among them, else the first.
       rounds: interleaved measured rounds (medians).
     """
+    results = [r for k in ks for r in _measured(cases, k, rounds)]
+    _ratios(results)
+    return _section(results, 4 if 4 in ks else ks[0])
+
+
+def _measured(cases: list[Case], k: int, rounds: int) -> list[dict]:
+    """Every case's variants, donated and not, at ``k`` micro-steps per window."""
     results = []
     for case in cases:
         for donate in case.donation:
@@ -125,6 +133,7 @@ def run(cases: list[Case], *, k: int = 4, rounds: int = 5) -> Section:
                 results.append(
                     {
                         "model": case.model.name,
+                        "k": k,
                         "inner": case.inner,
                         "donate": donate,
                         "label": v.label,
@@ -144,88 +153,84 @@ def run(cases: list[Case], *, k: int = 4, rounds: int = 5) -> Section:
                     }
                 )
             del variants
+    return results
+
+
+def _ratios(results: list[dict]) -> None:
+    """Each result's per-window ratios against the baseline of its model, optimizer,
+    donation and window size (median of the per-round ratios, and their spread)."""
+    same = ("model", "k", "inner", "donate")
     for r in results:
         base = next(
-            b
-            for b in results
-            if b["label"] == BASELINE and all(b[f] == r[f] for f in ("model", "inner", "donate"))
+            b for b in results if b["label"] == BASELINE and all(b[f] == r[f] for f in same)
         )
         for i, clock in enumerate(("wall", "cpu")):
             ours, theirs = [w[i] for w in r["windows"]], [w[i] for w in base["windows"]]
             r[f"ratio_window_{clock}"] = _common.paired_ratio(ours, theirs)
             r[f"spread_window_{clock}"] = _common.paired_spread(ours, theirs)
-    return _section(results, k)
 
 
 def _section(results: list[dict], k: int) -> Section:
-    rows = []
-    for r in results:
-        rows.append(
-            [
-                r["model"],
-                r["inner"],
-                "yes" if r["donate"] else "no",
-                r["label"],
-                ms(r["between_wall"]),
-                ms(r["between_cpu"]),
-                ms(r["boundary_wall"]),
-                ms(r["window_wall"]),
-                ms(r["window_cpu"]),
-                f"{r['ratio_window_wall']:.2f}",
-                f"{r['ratio_window_cpu']:.2f}",
-                f"{r['between_copies']} ({r['between_bytes'] / r['param_bytes']:.1f}x)",
-                f"{r['boundary_copies']} ({r['boundary_bytes'] / r['param_bytes']:.1f}x)",
-            ]
-        )
+    """The table of every window size; the copy analysis and the optimizer's share at ``k``."""
     body = [
-        f"k = {k} micro-steps per window. Times in ms, medians over interleaved rounds; "
-        "'micro-step' is a call between boundaries, 'boundary' the call that closes the window. "
-        "Ratios: per window, against optax.MultiSteps with the same model, inner optimizer "
-        "and donation (wall-clock and process CPU time; median of the per-round ratios). Copies: `copy` instructions of "
-        "parameter-shaped arrays in the compiled program, on the path of a micro-step and of the "
-        "boundary call (in parentheses: their bytes / the parameters' bytes).",
+        "Times in ms, medians over interleaved rounds; 'micro-step' is a call between "
+        "boundaries, 'boundary' the call that closes the window. Ratios: per window, against "
+        "optax.MultiSteps with the same model, inner optimizer, donation and k (wall-clock "
+        "and process CPU time; median of the per-round ratios). Copies: `copy` instructions "
+        "of parameter-shaped arrays in the compiled program, on the path of a micro-step and "
+        "of the boundary call (in parentheses: their bytes / the parameters' bytes).",
         "",
-        table(
-            [
-                "model",
-                "inner",
-                "donated",
-                "variant",
-                "micro-step wall",
-                "micro-step CPU",
-                "boundary wall",
-                "window wall",
-                "window CPU",
-                "ratio wall",
-                "ratio CPU",
-                "copies / micro-step",
-                "copies / boundary",
-            ],
-            rows,
-        ),
+        _table(results),
     ]
-    analysis, quoted = _copy_analysis.analysis(results, k)
-    body += ["", _optimizer_share(results), "", analysis]
-    summary = []
-    for r in results:
-        if r["label"] != "jaxaccum":
-            continue
-        ratio = r["ratio_window_cpu"]
-        summary.append(
-            (
-                f"per window, jaxaccum / optax.MultiSteps, {r['model'].split(' (')[0]}, {r['inner']},"
-                f" {'donated' if r['donate'] else 'not donated'} (CPU time)",
-                f"{ratio:.2f} [rounds {r['spread_window_cpu']}] (wall {r['ratio_window_wall']:.2f})",
-                "<= 1.0",
-                ratio <= 1.0,
-            )
+    at_k = [r for r in results if r["k"] == k]
+    analysis, quoted = _copy_analysis.analysis(at_k, k)
+    body += ["", _optimizer_share(at_k), "", analysis]
+    summary = [
+        (
+            f"per window, jaxaccum / optax.MultiSteps, {r['model'].split(' (')[0]}, "
+            f"{r['inner']}, k={r['k']}, {'donated' if r['donate'] else 'not donated'} (CPU time)",
+            f"{r['ratio_window_cpu']:.2f} [rounds {r['spread_window_cpu']}] "
+            f"(wall {r['ratio_window_wall']:.2f})",
+            "<= 1.0",
+            r["ratio_window_cpu"] <= 1.0,
         )
+        for r in results
+        if r["label"] == "jaxaccum"
+    ]
     return Section(
         "1. Per-micro-step cost: jaxaccum.multi_steps vs optax.MultiSteps",
         "\n".join(body),
         summary,
         {"results": results, "quoted": quoted},
     )
+
+
+def _table(results: list[dict]) -> str:
+    """One row per model, window size, optimizer, donation and variant."""
+    per_p = lambda r, where: r[f"{where}_bytes"] / r["param_bytes"]
+    rows = [
+        [
+            r["model"],
+            str(r["k"]),
+            r["inner"],
+            "yes" if r["donate"] else "no",
+            r["label"],
+            ms(r["between_wall"]),
+            ms(r["between_cpu"]),
+            ms(r["boundary_wall"]),
+            ms(r["window_wall"]),
+            ms(r["window_cpu"]),
+            f"{r['ratio_window_wall']:.2f}",
+            f"{r['ratio_window_cpu']:.2f}",
+            f"{r['between_copies']} ({per_p(r, 'between'):.1f}x)",
+            f"{r['boundary_copies']} ({per_p(r, 'boundary'):.1f}x)",
+        ]
+        for r in results
+    ]
+    header = ["model", "k", "inner", "donated", "variant", "micro-step wall", "micro-step CPU",
+              "boundary wall", "window wall", "window CPU", "ratio wall", "ratio CPU",
+              "copies / micro-step", "copies / boundary"]  # fmt: skip
+    return table(header, rows)
 
 
 def _optimizer_share(results: list[dict]) -> str:

@@ -135,6 +135,30 @@ def _unknown_because(report: AuditReport) -> str:
     )
 
 
+def _micro_batch_clip_notes(report: AuditReport, threshold: str) -> list[str]:
+    """Which micro-batches ``clipped_per_micro_batch`` cut, to what, and its base form."""
+    weights = report.verdict_weights
+    cut = [m for m in range(report.k_window) if np.any(weights[:, m] < 1.0)]
+    whole = len(cut) < report.k_window
+    base = report.clip_base
+    notes = [
+        f"micro-batches {', '.join(map(str, cut))} clipped to c = {report.clipped_to:#.4g}"
+        f" each (the norm of its share of the gradient{threshold})"
+        + ("; the others, below c, added whole" if whole else "")
+    ]
+    summed = report.clipped_to * report.items.sum()  # c N: the threshold before / N
+    if report.clip_kept is False and abs(summed - report.max_grad_norm) <= (
+        report.clip_tolerance * report.max_grad_norm
+    ):
+        notes.append(
+            "c N is the max_grad_norm you passed: each micro-batch's SUMMED gradient was"
+            " clipped to it, before the division by the window's N"
+        )
+    if base != EXACT:
+        notes.append(f"before the clip, a {base}: {WHAT_IT_DOES[base]}; fix: {FIXES[base]}")
+    return notes
+
+
 def _clip_notes(report: AuditReport) -> list[str]:
     """What the audit saw of clipping, and of the ``max_grad_norm`` you passed."""
     said = _threshold(report)
@@ -146,18 +170,7 @@ def _clip_notes(report: AuditReport) -> list[str]:
             f" applied gradient{threshold}), |g| = {report.grad_norm:#.4g} before the clip"
         ]
     if report.verdict == CLIPPED_PER_MICRO_BATCH:
-        weights = report.verdict_weights
-        cut = [m for m in range(report.k_window) if np.any(weights[:, m] < 1.0)]
-        whole = len(cut) < report.k_window
-        base = report.clip_base
-        notes = [
-            f"micro-batches {', '.join(map(str, cut))} clipped to c = {report.clipped_to:#.4g}"
-            f" each (the norm of its share of the gradient{threshold})"
-            + ("; the others, below c, added whole" if whole else "")
-        ]
-        if base != EXACT:
-            notes.append(f"before the clip, a {base}: {WHAT_IT_DOES[base]}; fix: {FIXES[base]}")
-        return notes
+        return _micro_batch_clip_notes(report, threshold)
     if report.verdict == UNKNOWN or report.max_grad_norm is None:
         return []
     side = "below" if report.grad_norm <= report.max_grad_norm else "above"

@@ -167,6 +167,7 @@ def main() -> int:
         float32_noise=sci(eps),
         condition_noise=sci(bigbatch.MAX_CONDITION * eps),  # what it could do to a weight
         max_rounding=sci(bigbatch.MAX_ROUNDING),
+        clip_rtol=sci(bigbatch.CLIP_RTOL),
         residual_rtol_over_max_rounding=f"{bigbatch.RESIDUAL_RTOL / bigbatch.MAX_ROUNDING:.0f}",
         # the length the report's repr keeps to: what pytest shows of an assertion message
         repr_limit=f"{bigbatch._report._REPR_LIMIT}",

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _checks
+from jaxaccum._check_values import scalar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,7 @@ class DynamicLossScale:
 
     def __post_init__(self) -> None:
         def check(name, kind, expected, ok):
-            _checks.scalar(
+            scalar(
                 getattr(self, name), name, where="DynamicLossScale", kind=kind,
                 expected=expected, ok=ok,
             )  # fmt: skip

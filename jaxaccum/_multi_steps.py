@@ -9,10 +9,9 @@ boundary (reduce, normalize, clip, inner step, record, reset).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxaccum import _checks, _sharding
+from jaxaccum._inner import InnerCall, standard_promotion
 from jaxaccum._loss_scale import DynamicLossScale, next_loss_scale
 from jaxaccum._normalize import WindowTotals, clip_by_global_norm, normalize_window
 from jaxaccum._state import MultiStepsState, closed_window, first_record, items_dtype_for
@@ -99,7 +99,7 @@ def multi_steps(
     _checks.instance_or_none(loss_scaling, "loss_scaling", DynamicLossScale, where="multi_steps")
     accumulator_dtype = _checks.accumulator_dtype(accumulator_dtype)
     settings = _Settings(
-        inner=standard_promotion(optax.with_extra_args_support(inner)),
+        inner=standard_promotion(inner),
         window_size=_checks.every_k_schedule(every_k_schedule),
         axis_name=_checks.axis_name(axis_name),
         max_grad_norm=_checks.max_grad_norm(max_grad_norm),
@@ -122,15 +122,14 @@ def multi_steps(
         end_window: Any = False,
         **extra_args: Any,
     ) -> tuple[Any, MultiStepsState]:
-        placement = _sharding.placement(settings.axis_name)
-        _checks.update_call(grads, state, num_items, loss_sum, end_window, extra_args, placement,
-                            settings.axis_name)  # fmt: skip
+        call = (grads, state, num_items, loss_sum, end_window, extra_args)
+        _checks.update_call(*call, settings.placement, settings.axis_name)
         grads = jax.tree.map(jnp.asarray, grads)  # Python float leaves are accepted
-        state, close = _add_to_window(settings, placement, state, grads, num_items, loss_sum,
-                                      end_window)  # fmt: skip
-        inner, dynamic = _Inner.for_call(settings.inner, extra_args, grads)
-        slot = _updates_slot(settings, placement, inner, grads, state, params, dynamic)
-        close_window = functools.partial(_close_window, settings, placement, inner)
+        state, close = _add_to_window(settings, state, grads, num_items, loss_sum, end_window)
+        inner, dynamic = InnerCall.for_call(settings.inner, extra_args, grads)
+        update_types = inner.update_types(state.inner_state, params, dynamic)
+        slot = _sharding.updates_slot(grads, state.grad_sum, update_types, *settings.route)
+        close_window = functools.partial(_close_window, settings, inner)
         slot, state, *_ = _once_if(close, close_window, slot, state, params, dynamic)
         # zero unless this call applied an update (a select: no NaN can leak)
         updates = jax.tree.map(lambda u: jnp.where(state.applied, u, 0).astype(u.dtype), slot)
@@ -152,58 +151,32 @@ class _Settings:
     loss_scaling: DynamicLossScale | None
     nonfinite: str
 
+    @property
+    def placement(self) -> _sharding.Placement:
+        """Where the window sums live in the program being traced (the mesh in context)."""
+        return _sharding.placement(self.axis_name)
 
-@dataclasses.dataclass(frozen=True)
-class _Inner:
-    """One call's inner optimizer: its constant extra arguments, the gradients' types."""
+    @property
+    def route(self) -> tuple[_sharding.AxisName | None, _sharding.Placement]:
+        """``(axis_name, placement)``: the last arguments of ``_sharding``'s layout functions."""
+        return self.axis_name, self.placement
 
-    tx: optax.GradientTransformationExtraArgs
-    static: dict
-    grad_types: Any
+    def stored(self, x: jax.Array, window_sum: jax.Array) -> jax.Array:
+        """A micro-batch's value in its window sum's dtype and layout."""
+        return _sharding.to_stored(x, window_sum, *self.route)
 
-    @classmethod
-    def for_call(cls, tx, extra_args: dict, grads: Any) -> tuple[_Inner, dict]:
-        """Arrays among the extra arguments travel in the loop carry (returned); the rest
-        are constants."""
-        dynamic = {name: v for name, v in extra_args.items() if isinstance(v, jax.Array)}
-        static = {name: v for name, v in extra_args.items() if name not in dynamic}
-        grad_types = jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g), g.dtype), grads)
-        return cls(tx, static, grad_types), dynamic
-
-    def update(self, window_grads: Any, inner_state: Any, params: Any, dynamic: dict) -> tuple:
-        return self.tx.update(window_grads, inner_state, params, **self.static, **dynamic)
-
-
-@contextlib.contextmanager
-def standard_numerics() -> Iterator[None]:
-    """JAX's default promotion rules (dtype and rank), for code that is not ours (optax)."""
-    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
-        yield
-
-
-def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """``tx`` with ``init`` and ``update`` under :func:`standard_numerics`.
-
-    The inner optimizer is the user's code: optax's bias corrections mix a
-    float and an int32 step, which a strict-promotion program refuses.
-    """
-    tx = optax.with_extra_args_support(tx)
-
-    def under_standard(fn: Callable) -> Callable:
-        def wrapped(*args, **kwargs):
-            with standard_numerics():
-                return fn(*args, **kwargs)
-
-        return wrapped
-
-    return optax.GradientTransformationExtraArgs(under_standard(tx.init), under_standard(tx.update))
+    def unstored(self, window_sum: jax.Array, ndim: int) -> jax.Array:
+        """A window sum as this device's partial sum of an ``ndim``-dimensional value."""
+        return _sharding.from_stored(window_sum, ndim, *self.route)
 
 
 def _init(settings: _Settings, params: Any) -> MultiStepsState:
     """An empty window, no update yet."""
     scale = 1.0 if settings.loss_scaling is None else settings.loss_scaling.init_scale
-    placement = _sharding.placement(settings.axis_name)
     zero = lambda dtype: jnp.zeros((), dtype)
+    dtypes = (settings.accumulator_dtype, settings.items_dtype)  # of the gradients, the counts
+    sums = _sharding.zero_sums(params, *dtypes, *settings.route)
+    first = first_record(settings.items_dtype, scale)
     return MultiStepsState(
         window_step=zero(jnp.int32),
         micro_step=zero(jnp.int32),
@@ -211,23 +184,19 @@ def _init(settings: _Settings, params: Any) -> MultiStepsState:
         loss_known=jnp.ones((), jnp.bool_),
         applied=zero(jnp.bool_),
         inner_state=settings.inner.init(params),
-        **_sharding.zero_sums(
-            params, settings.accumulator_dtype, settings.items_dtype, settings.axis_name, placement
-        ),  # fmt: skip
-        last_window=_sharding.replicated(first_record(settings.items_dtype, scale), placement),
+        **sums,
+        last_window=_sharding.replicated(first, settings.placement),
     )
 
 
-def _add_to_window(settings, placement, state, grads, num_items, loss_sum, end_window):
+def _add_to_window(settings, state, grads, num_items, loss_sum, end_window):
     """1. Every call: this micro-batch joins the window's three sums. Nothing else.
 
     Returns the state and whether the window closes with this call. Under
     ``jit`` a global (replicated) scalar joins the partial sums once, in the
     first row.
     """
-    stored = lambda x, window_sum: _sharding.to_stored(x, window_sum, settings.axis_name,
-                                                       placement)  # fmt: skip
-    as_sum = lambda x, window_sum: stored(jnp.reshape(jnp.asarray(x), ()), window_sum)
+    as_sum = lambda x, window_sum: settings.stored(jnp.reshape(jnp.asarray(x), ()), window_sum)
     window_step = state.window_step + 1
     close = window_step >= settings.window_size(state.last_window.update_id)
     close = close | jnp.asarray(end_window)
@@ -236,21 +205,21 @@ def _add_to_window(settings, placement, state, grads, num_items, loss_sum, end_w
         micro_step=state.micro_step + 1,
         loss_known=state.loss_known & (loss_sum is not None),
         applied=jnp.zeros((), jnp.bool_),
-        grad_sum=jax.tree.map(lambda s, g: s + stored(g, s), state.grad_sum, grads),
+        grad_sum=jax.tree.map(lambda s, g: s + settings.stored(g, s), state.grad_sum, grads),
         loss_sum=state.loss_sum + as_sum(0.0 if loss_sum is None else loss_sum, state.loss_sum),
         num_items=state.num_items + as_sum(num_items, state.num_items),
     )
     return added, close
 
 
-def _close_window(settings, placement, inner, slot, state, params, dynamic):
+def _close_window(settings, inner, slot, state, params, dynamic):
     """2. At a boundary, and only there: reduce once, divide once, clip, step, reset.
 
     The inner optimizer runs only for an applied window, on the window gradient
     in the dtype of ``grads`` (a skipped one leaves it untouched, with no select
     over its state to copy).
     """
-    totals = _window_totals(settings, placement, state, inner.grad_types)
+    totals = _window_totals(settings, state, inner.grad_types)
     window_grads, norm_clipped = clip_by_global_norm(
         totals.grads, totals.grad_norm, settings.max_grad_norm
     )
@@ -262,10 +231,8 @@ def _close_window(settings, placement, inner, slot, state, params, dynamic):
         fail = (~finite, state.micro_step, totals.loss, totals.grad_norm)
         jax.debug.callback(_checks.raise_if_nonfinite, *fail)
     window_grads = jax.tree.map(lambda g, t: g.astype(t.dtype), window_grads, inner.grad_types)
-    slot, inner_state, *_ = _once_if(
-        apply, functools.partial(_inner_step, inner), slot, state.inner_state, window_grads,
-        params, dynamic,
-    )  # fmt: skip
+    carry = (slot, state.inner_state, window_grads, params, dynamic)
+    slot, inner_state, *_ = _once_if(apply, inner.step, *carry)
     scale, good_windows = next_loss_scale(
         settings.loss_scaling,
         state.last_window.loss_scale,
@@ -273,30 +240,42 @@ def _close_window(settings, placement, inner, slot, state, params, dynamic):
         applied=apply,
         overflow=~finite,
     )
-    record = closed_window(state.last_window, totals, state.micro_step, norm_clipped,
-                           applied=apply, finite=finite, loss_known=state.loss_known,
-                           loss_scale=scale)  # fmt: skip
+    flags = dict(applied=apply, finite=finite, loss_known=state.loss_known, loss_scale=scale)
+    record = closed_window(state.last_window, totals, state.micro_step, norm_clipped, **flags)
     state = state._replace(
         good_windows=good_windows,
         loss_known=jnp.ones((), jnp.bool_),
         applied=apply,
         inner_state=inner_state,
         last_window=record,
-        # the window is consumed: fresh zeros of the sums' types (never 0 * sum)
-        grad_sum=jax.tree.map(jnp.zeros_like, state.grad_sum),
-        loss_sum=jnp.zeros_like(state.loss_sum),
-        num_items=jnp.zeros_like(state.num_items),
+        **_consumed(state, totals),
     )
     return slot, state, params, dynamic
 
 
-def _window_totals(settings, placement, state, grad_types) -> WindowTotals:
-    """The window's sums out of their stored layout, added over the devices, normalized."""
-    unstored = lambda window_sum, ndim: _sharding.from_stored(
-        window_sum, ndim, settings.axis_name, placement
+def _consumed(state: MultiStepsState, totals: WindowTotals) -> dict:
+    """The three window sums once the window is read: zeros, written in place.
+
+    A select, never ``0 * sum`` (a NaN would stay). Its predicate is true
+    whatever the window held (a norm is never negative; NaN compares false),
+    but it reads the window's norm, so XLA orders each reset after the last
+    read of its sum and writes the zeros into the sum's own buffer. Fresh
+    zeros (``zeros_like``) cost two parameter-sized copies per leaf at the
+    boundary: the old sum kept for the division, the zeros put in its place.
+    """
+    read = ~(totals.grad_norm < 0)
+    zero = lambda window_sum: jnp.where(read, jnp.zeros((), window_sum.dtype), window_sum)
+    return dict(
+        grad_sum=jax.tree.map(zero, state.grad_sum),
+        loss_sum=zero(state.loss_sum),
+        num_items=zero(state.num_items),
     )
-    grad_sum = jax.tree.map(lambda s, g: unstored(s, g.ndim), state.grad_sum, grad_types)
-    sums = (grad_sum, unstored(state.loss_sum, 0), unstored(state.num_items, 0))
+
+
+def _window_totals(settings, state, grad_types) -> WindowTotals:
+    """The window's sums out of their stored layout, added over the devices, normalized."""
+    grad_sum = jax.tree.map(lambda s, g: settings.unstored(s, g.ndim), state.grad_sum, grad_types)
+    sums = (grad_sum, settings.unstored(state.loss_sum, 0), settings.unstored(state.num_items, 0))
     grad_sum, loss_sum, num_items = _sharding.reduce_over_devices(sums, settings.axis_name)
     return normalize_window(
         grad_sum,
@@ -305,28 +284,6 @@ def _window_totals(settings, placement, state, grad_types) -> WindowTotals:
         loss_scale=state.last_window.loss_scale,
         global_norm=_sharding.global_norm,
     )
-
-
-def _inner_step(inner, slot, inner_state, window_grads, params, dynamic):
-    """The inner optimizer's update into the slot, in the loop carry's types.
-
-    Dtypes, and shardings: an inner state sharded over the batch axis (ZeRO-1)
-    gives sharded updates, gathered here.
-    """
-    updates, new_inner = inner.update(window_grads, inner_state, params, dynamic)
-    like = lambda x, y: _sharding.like(x.astype(y.dtype), y)
-    updates = jax.tree.map(like, updates, slot)
-    new_inner = jax.tree.map(like, new_inner, inner_state)
-    return updates, new_inner, window_grads, params, dynamic
-
-
-def _updates_slot(settings, placement, inner, grads, state, params, dynamic):
-    """The loop carry that receives the window's updates: the inner optimizer's update
-    dtypes (``eval_shape`` traces it, nothing runs), the parameters' shardings."""
-    update_types = jax.eval_shape(inner.update, inner.grad_types, state.inner_state, params,
-                                  dynamic)  # fmt: skip
-    return _sharding.updates_slot(grads, state.grad_sum, update_types[0], settings.axis_name,
-                                  placement)  # fmt: skip
 
 
 def _once_if(pred: jax.Array, body: Callable[..., tuple], *carry: Any) -> tuple:

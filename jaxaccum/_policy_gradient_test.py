@@ -14,7 +14,8 @@ import pytest
 
 import bigbatch
 import jaxaccum
-from jaxaccum._policy_gradient import ITEMS, LOSS_TYPES, policy_gradient, policy_token_loss
+from jaxaccum._policy_gradient import ITEMS, LOSS_TYPES, policy_gradient
+from jaxaccum._policy_token_loss import policy_token_loss
 from testkit import audited_loops as loops
 from testkit.modes import mode_for
 

@@ -115,4 +115,5 @@ def per_sample(
 
 # RL policy-gradient losses (TRL's eight loss types): the per-token loss, and its
 # reduction in the same form.
-from jaxaccum._policy_gradient import policy_gradient, policy_token_loss  # noqa: E402, F401
+from jaxaccum._policy_gradient import policy_gradient  # noqa: E402, F401
+from jaxaccum._policy_token_loss import policy_token_loss  # noqa: E402, F401

@@ -51,10 +51,17 @@ def torch_loss(model: Any, batch: dict) -> tuple[Any, Any]:
     return torch_ref.causal_lm_loss_sum(model(batch["input_ids"]), batch["labels"])
 
 
+# torch_ref's variants whose verdict is not their name, and those that need a setting
+TORCH_VERDICTS = {"reference": "exact", "clip_per_microbatch": "clipped_per_micro_batch"}
+TORCH_SETTINGS = {"clip_per_microbatch": {"max_grad_norm": 0.05}}  # below every micro-batch's
+
+
 def torch_variant(model: Any, optimizer: Any, microbatches: list, *, name: str) -> None:
     """torch_ref's loop with the bug ``name`` (`torch_ref.buggy`; "reference": none)."""
     variant = torch_ref.buggy.variant(name)
-    torch_ref.train_update(model, microbatches, optimizer, variant=variant, nominal_k=K)
+    torch_ref.train_update(
+        model, microbatches, optimizer, variant=variant, nominal_k=K, **TORCH_SETTINGS.get(name, {})
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +103,7 @@ def audit_torch(name: str, rows: tuple, ranks: int = 1, short: bool = False) -> 
             loop, torch_loss, TORCH_MODEL, batch, k=K, world_size=ranks, short_window=short,
             progress=False,
         )  # fmt: skip
-    return AuditRow("torch", f"torch_ref:{name}", ranks, name.replace("reference", "exact"), report)
+    return AuditRow("torch", f"torch_ref:{name}", ranks, TORCH_VERDICTS.get(name, name), report)
 
 
 # audit_jax's arguments: the table's name, the loop, its rows, devices, the verdict it must get
@@ -106,6 +113,8 @@ JAX_LOOPS = (
     ("jax forgets 1/k", loops.missing_1_over_k(jax_loss), FULL, 1, "missing_1_over_k"),
     ("jax local denominator", loops.local_denominator(jax_loss, 2), SKEWED, 2,
      "local_denominator"),
+    ("jax jit, mean per micro-batch", loops.mean_of_global_means(jax_loss, 2), SKEWED, 2,
+     "mean_of_global_means"),
     ("jax jaxaccum.multi_steps", loops.jaxaccum_window(jax_loss, K), FULL, 1, "exact"),
 )  # fmt: skip
 # audit_torch's: torch_ref.buggy's variant (the verdict it must get), rows, ranks, a short window
@@ -116,6 +125,7 @@ TORCH_LOOPS = (
     ("fixed_divisor_tail", FULL, 1, True),
     ("local_denominator", SKEWED, 2),
     ("ddp_average_forgotten", SKEWED, 2),
+    ("clip_per_microbatch", FULL),  # "clipped_per_micro_batch"
 )
 
 
@@ -135,7 +145,7 @@ def run_audits(progress: bool = True) -> list[AuditRow]:
 
 def table(rows: Sequence[AuditRow]) -> str:
     """The audit table (at most 100 columns): the header, one line per loop, the notes."""
-    line = "{:<31}  {:>5}  {:<21}  {:<13}  {:>5}  {:>8}  {}".format
+    line = "{:<31}  {:>5}  {:<23}  {:<13}  {:>5}  {:>8}  {}".format
     lines = [HEADER, "", line("loop", "ranks", "verdict", "weights", "scale", "residual", "ok")]
     lines.append(line("", "", "", "(x big batch)", "", "", "").rstrip())
     for row in rows:

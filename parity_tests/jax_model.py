@@ -4,7 +4,7 @@ The parameters are the real multi-leaf pytree of ``tinygpt.flax_gpt``
 (``params_from_state_dict``: 26 leaves, ``params["h"][0]["attn"]["qkv"]["kernel"]``
 and so on), the pytree a user hands ``jaxaccum.multi_steps``: the window sums,
 the normalization, the clipping norm and AdamW all run per leaf, as they do in
-training. :func:`twin` builds both from a :class:`parity_tests.scenarios.Case`
+training. :func:`twin` builds both from a :class:`parity_tests.cases.Case`
 (its dtypes and weights, decided once there).
 """
 

@@ -20,8 +20,9 @@ import pytest
 pytest.importorskip("torch", reason="needs torch: no CPU build for this Python here")
 
 import torch_ref  # noqa: E402
-from parity_tests import report, report_files, scenarios, suite  # noqa: E402
-from parity_tests.compare import FLAG_RATIO, TOLERANCES  # noqa: E402
+from parity_tests import cases, report, report_files, suite  # noqa: E402
+from parity_tests.checks import FLAG_RATIO  # noqa: E402
+from parity_tests.compare import TOLERANCES  # noqa: E402
 
 pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 
@@ -98,7 +99,7 @@ def test_fp16_loss_scaling_parity(result):
     # fp16 dynamic loss scaling (fp32 compute), an inf injected into rank 1's first micro-batch
     # of window 3 on both sides: the same windows skipped, the same loss-scale sequence
     # (powers of two: exact), the same update ids, and parameters within the fp32 tolerance.
-    scn = scenarios.scaling_scenario()
+    scn = cases.scaling_scenario()
     (check,) = [c for c in result.checks if c.scenario == scn.name]
     assert (check.subject, check.reference) == ("jaxaccum", "torch_ref")
     seq = check.sequences
@@ -150,10 +151,10 @@ def test_the_jax_runs_take_the_data_parallel_path(result):
         if k.startswith("jaxaccum|")
     }
     assert strategies == {
-        scenarios.control_scenario().name: "jit",
-        scenarios.scenario(4, 1, "sample").name: "jit",
-        scenarios.scenario(2, 2, "token", "float64").name: "jit",
-        scenarios.scaling_scenario().name: "vmap",
+        cases.control_scenario().name: "jit",
+        cases.scenario(4, 1, "sample").name: "jit",
+        cases.scenario(2, 2, "token", "float64").name: "jit",
+        cases.scaling_scenario().name: "vmap",
     }
 
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 import math
 import pathlib
 
-from parity_tests.compare import FLAG_RATIO, Check, SuiteResult
-from parity_tests.scenarios import SHORT_WINDOW
+from parity_tests.cases import SHORT_WINDOW
+from parity_tests.checks import FLAG_RATIO, Check
+from parity_tests.compare import SuiteResult
 
 MAX_ROWS = 32  # more checks than this (the full matrix): one row per comparison and dtype
 AGREE, BUG = "tab:blue", "tab:red"

@@ -13,8 +13,10 @@ import dataclasses
 import math
 import textwrap
 
-from parity_tests.compare import FLAG_RATIO, TOLERANCES, Check, SuiteResult
-from parity_tests.scenarios import DEFAULT_OPT, DTYPE_IDS, SHORT_WINDOW
+from parity_tests.cases import DEFAULT_OPT, SHORT_WINDOW
+from parity_tests.checks import FLAG_RATIO, Check
+from parity_tests.compare import TOLERANCES, SuiteResult
+from parity_tests.scenarios import DTYPE_IDS
 
 WIDTH = 100  # the terminal output's columns
 

@@ -10,7 +10,8 @@ import math
 import pathlib
 
 from parity_tests import plot as plotting
-from parity_tests.compare import FLAG_RATIO, TOLERANCES, Check, SuiteResult
+from parity_tests.checks import FLAG_RATIO, Check
+from parity_tests.compare import TOLERANCES, SuiteResult
 from parity_tests.report import Text
 
 HEADER = (

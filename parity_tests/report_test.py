@@ -4,10 +4,10 @@ import math
 
 import numpy as np
 
-from parity_tests import plot, report, report_files, scenarios
+from parity_tests import cases, plot, report, report_files
 from parity_tests.compare import TOLERANCES, Run, SuiteResult, compare
 
-SCN = scenarios.control_scenario()
+SCN = cases.control_scenario()
 
 
 def _run(label, moves, losses):

@@ -2,7 +2,7 @@
 
 Three runs, one record format (:class:`parity_tests.compare.Run`), all on the
 Flax params pytree (``parity_tests.jax_model``) with optax's AdamW and schedule
-(``parity_tests.jax_optim``), each on a :class:`parity_tests.scenarios.Case`
+(``parity_tests.jax_optim``), each on a :class:`parity_tests.cases.Case`
 (the scenario's dtypes and arrays, prepared once):
 
 * :func:`run_jaxaccum` - the subject: ``jaxaccum.multi_steps(optax.adamw(...), k,
@@ -37,8 +37,8 @@ import jaxaccum
 import testkit
 from bigbatch import IGNORE_INDEX
 from parity_tests import jax_model, jax_optim
+from parity_tests.cases import Case
 from parity_tests.compare import Run
-from parity_tests.scenarios import Case
 from tinygpt.data import PAD_TOKEN
 from tinygpt.weights import to_torch_layout
 

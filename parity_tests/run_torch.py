@@ -3,7 +3,7 @@
 Two scenario descriptions exist on purpose, at two levels. A
 :class:`parity_tests.scenarios.Scenario` says how a run is *generated* (world
 size, k, data seed, the layout rules, the optimizer's settings), and its
-:class:`parity_tests.scenarios.Case` holds the arrays, prepared once for both
+:class:`parity_tests.cases.Case` holds the arrays, prepared once for both
 frameworks. A :class:`parity_tests.torch_scenario.Scenario` is the torch run as
 ``parity_tests.torch_ranks`` takes it (the arrays of every micro-batch of every
 rank, the weights, the settings in torch's terms) around ``torch_ref.train_update``,
@@ -21,8 +21,8 @@ import numpy as np
 
 from parity_tests import torch_ranks
 from parity_tests import torch_scenario as ts
+from parity_tests.cases import Case
 from parity_tests.compare import Run
-from parity_tests.scenarios import Case
 from tinygpt import TinyGPTConfig
 
 

@@ -10,7 +10,7 @@ import itertools
 import numpy as np
 import pytest
 
-from parity_tests import scenarios
+from parity_tests import cases, scenarios
 from parity_tests.scenarios import Scenario
 from tinygpt import data
 
@@ -47,10 +47,10 @@ def test_layouts_hold_each_window_with_one_micro_batch_size(world, k):
 
 
 def test_short_names_are_unique_over_the_full_matrix():
-    scns, controls = scenarios.matrix("cpu", quick=False)
+    scns, controls = cases.matrix("cpu", quick=False)
     names = {s.short_name for s in scns + controls}
     assert len(names) == len(set(scns + controls)) == 37  # 36 layouts/units/dtypes + scaling
-    assert scenarios.scaling_scenario().short_name == "R2k2-token-f32-fp16scale"
+    assert cases.scaling_scenario().short_name == "R2k2-token-f32-fp16scale"
 
 
 @pytest.mark.parametrize(

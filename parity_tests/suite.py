@@ -1,7 +1,7 @@
 """The parity suite: which runs each scenario gets, through what, and which comparisons decide.
 
 The flow, top down: :func:`run_suite` turns the matrix into prepared cases once
-(``parity_tests.scenarios.plan``: the dtypes and arrays of every scenario and
+(``parity_tests.cases.plan``: the dtypes and arrays of every scenario and
 big batch), hands those cases to the torch runs (``run_torch``, one launch per
 world size) and the JAX runs (``run_jax``), then compares the runs
 (:func:`build_checks`, ``parity_tests.compare``) into a
@@ -31,7 +31,7 @@ micro-batch of one rank in window 3, the same way on both sides):
     jaxaccum  vs torch_ref          the same windows skipped, the same loss-scale and
                                     update_id sequences (exactly), parameters within fp32
 
-Matrices (``parity_tests.scenarios.matrix``): CPU full = world {1, 2, 4} x k {1, 2, 4} x unit
+Matrices (``parity_tests.cases.matrix``): CPU full = world {1, 2, 4} x k {1, 2, 4} x unit
 {token, sample} x dtype {float32, float64}; CUDA full = the same with
 {float32, bfloat16}; ``quick`` = three scenarios that cover both units, several
 devices, the short window and (CPU) float64. Both add the loss-scaling scenario.
@@ -48,9 +48,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from parity_tests import compare, run_jax, run_torch, scenarios
-from parity_tests.compare import TOLERANCES, Check, Run, SuiteResult
-from parity_tests.scenarios import Case, Plan, Scenario
+from parity_tests import cases, compare, run_jax, run_torch
+from parity_tests.cases import Case, Plan
+from parity_tests.checks import Check
+from parity_tests.compare import TOLERANCES, Run, SuiteResult
+from parity_tests.scenarios import Scenario
 from torch_ref import buggy
 
 Task = tuple[str, Callable[[], dict[str, Run]]]  # (description, () -> {run key: Run})
@@ -73,7 +75,7 @@ def run_suite(
       scns, controls: override the matrix.
     """
     t0 = time.perf_counter()
-    plan = scenarios.plan(device, quick, scns, controls)
+    plan = cases.plan(device, quick, scns, controls)
     torch_groups = _torch_groups(plan)
     runs: dict[str, Run] = {}
     errors: dict[str, str] = {}

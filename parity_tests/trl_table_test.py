@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch", reason="needs torch: no CPU build for this Python here")
 
-from parity_tests import docs_blocks, trl_table  # noqa: E402  (it imports torch_ref)
+from parity_tests import docs_blocks, trl_prediction, trl_table  # noqa: E402  (torch_ref)
 
 
 @pytest.mark.slow
@@ -18,7 +18,7 @@ def test_the_docs_table_is_the_one_the_code_produces():
     pytest.importorskip("datasets")
     pytest.importorskip("trl")
     reports = trl_table.run()
-    wrong = [problem for report in reports for problem in trl_table.check(report)]
+    wrong = [problem for report in reports for problem in trl_prediction.check(report)]
     assert not wrong, "\n".join(wrong)  # every verdict and weight as TRL's code predicts
     documented = docs_blocks.block(trl_table.DOC.read_text(), trl_table.BLOCK)
     assert trl_table.without_date(documented) == trl_table.without_date(
@@ -40,18 +40,18 @@ def test_the_block_is_replaced_between_its_markers():
 
 def test_the_forms_by_hand():
     # two micro-batches of 3 and 1 tokens on one rank, GA = 2, spg = 2 GA, N_gen = 10
-    shape = trl_table.RunShape(
+    shape = trl_prediction.RunShape(
         tokens=np.array([2.0, 1.0, 1.0]), microbatch_tokens=np.array([3.0, 3.0, 1.0]), rows=3,
         k=2, spg=4, ranks=1, generation_tokens=10.0, max_completion_length=8, epsilon_high=5.0,
     )  # fmt: skip
-    weights = {lt: trl_table.token_weights(lt, shape) for lt in trl_table.LOSS_TYPES}
+    weights = {lt: trl_prediction.token_weights(lt, shape) for lt in trl_prediction.LOSS_TYPES}
     np.testing.assert_allclose(weights["grpo"], [1 / 6, 1 / 3, 1 / 3])
     np.testing.assert_allclose(weights["bnpo"], [1 / 6, 1 / 6, 1 / 2])
     np.testing.assert_allclose(weights["dr_grpo"], 1 / 24)
     np.testing.assert_allclose(weights["dapo"], 2 / 10)  # spg / (GA N_gen)
     np.testing.assert_allclose(weights["cispo"], weights["dapo"])  # min(1, 5.0) = 1
     np.testing.assert_allclose(weights["luspo"], 1 / 3)
-    np.testing.assert_allclose(trl_table.entropy_weights(shape), weights["bnpo"])
-    assert set(trl_table.FORMS) == {*trl_table.LOSS_TYPES, "entropy"}
+    np.testing.assert_allclose(trl_prediction.entropy_weights(shape), weights["bnpo"])
+    assert set(trl_prediction.FORMS) == {*trl_prediction.LOSS_TYPES, "entropy"}
     with pytest.raises(ValueError, match="loss_type: expected one of grpo, bnpo"):
-        trl_table.token_weights("ppo", shape)
+        trl_prediction.token_weights("ppo", shape)

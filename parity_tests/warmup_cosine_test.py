@@ -21,7 +21,7 @@ from tinygpt.weights import init_state_dict  # noqa: E402
 pytestmark = pytest.mark.slow  # optax compiled twice per case (x64 on and off): make test
 
 # (warmup_steps, decay_steps, init_value, end_value, peak): the parity suite's schedule
-# (parity_tests.scenarios.DEFAULT_OPT), torch_ref's DDP tests', one without warmup, one long.
+# (parity_tests.cases.DEFAULT_OPT), torch_ref's DDP tests', one without warmup, one long.
 CASES = [(2, 8, 1e-4, 1e-5, 1e-3), (1, 4, 1e-4, 0.0, 1e-3), (0, 10, 0.0, 0.0, 3e-3),
          (100, 1000, 0.0, 3e-5, 3e-4)]  # fmt: skip
 

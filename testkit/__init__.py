@@ -32,7 +32,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _multi_steps, losses
+from jaxaccum import _inner, losses
 from testkit.modes import AXIS, MODES, DataParallel, data_parallel, mode_for
 from tinygpt import data
 
@@ -41,8 +41,8 @@ __all__ = ["AXIS", "MODES", "DataParallel", "data_parallel", "mode_for"]  # from
 
 # JAX's default promotion rules for code that is not the project's (optax, flax), in the
 # session's strict ones: the library's one helper (a context, and an optimizer wrapped in it)
-standard_numerics = _multi_steps.standard_numerics
-standard = _multi_steps.standard_promotion
+standard_numerics = _inner.standard_numerics
+standard = _inner.standard_promotion
 
 
 def max_abs_diff(a: Any, b: Any) -> float:

@@ -18,7 +18,8 @@ Modules::
     _train.py       train_update, train, windows_of: the algorithm, top to bottom
     _steps.py       the loop's torch steps: the window's items, the optimizer step, the norm
     _record.py      RECORD_KEYS, SkipReason (bigbatch's vocabulary), Progress
-    buggy.py        Variant, REFERENCE, VARIANTS: the bugs as data, hooks on the loop
+    buggy.py        REFERENCE, VARIANTS: the bugs as data (_variant.py: Variant, a choice at
+                    each decision point of the loop, and its hooks)
     _loss.py        causal_lm_loss_sum, count_items
     ddp.py          ddp.run: torch.multiprocessing ranks on 127.0.0.1, bounded in time;
                     one_cpu_thread
@@ -28,6 +29,9 @@ Modules::
                     (_audit_window.py, _audit_trainer.py, _audit_invariance.py,
                     _audit_trl.py; _audit_loop.py runs your loop for one update,
                     here or on gloo ranks; _trainer_runs.py runs a Trainer so)
+    _audit_trl*.py  audit_trl_grpo (_audit_trl.py): the cut and its checks (_cut), the rows
+                    and the tiny GPT-2 (_rows), TRL's recording trainer (_trainer), the
+                    report (_report)
 
 The model is yours: any ``nn.Module`` mapping ``input_ids`` [B, T] to logits
 [B, T, V] (optionally wrapped in ``DistributedDataParallel``). Whole runs as

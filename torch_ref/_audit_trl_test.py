@@ -2,7 +2,7 @@
 
 Every audit runs GRPOTrainer twice (the cut, and one batch of the same rows) for one SGD
 update of a tiny GPT-2 (`torch_ref._audit_trl`). The formulas are those of
-``parity_tests.trl_table`` (``token_weights``: TRL's ``_compute_loss`` line by line), which
+``parity_tests.trl_prediction`` (``token_weights``: TRL's ``_compute_loss`` line by line), which
 ``make trl-audit`` checks for every loss type and cut; here one cut of each kind of verdict.
 """
 
@@ -13,8 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from parity_tests import trl_table
-from torch_ref._audit_trl import check_cut
+from parity_tests import trl_prediction
+from torch_ref._audit_trl_cut import check_cut
 from torch_ref.audit import GRPOCut, audit_trl_grpo, audit_trl_grpo_cuts
 
 # An invariant cut: float32 gradients added in another order, the update read back as
@@ -24,15 +24,15 @@ INVARIANT_MAX = 1e-5
 # to 50% (bnpo, GA = 4): 1e-2 is 10x below the smallest, 1000x above rounding.
 BROKEN_MIN = 1e-2
 # A fitted weight against its formula: measured within 2e-6 (float32, the fit's condition).
-WEIGHT_RTOL = trl_table.WEIGHT_RTOL
+WEIGHT_RTOL = trl_prediction.WEIGHT_RTOL
 
 
 def assert_weights(report) -> np.ndarray:
     """The fitted weights are the formula's (relative to one batch); returns the formula's."""
-    relative, _ = trl_table.predicted(report)
+    relative, _ = trl_prediction.predicted(report)
     np.testing.assert_allclose(report.weights[0], relative, rtol=WEIGHT_RTOL)
-    assert np.max(report.residuals) <= trl_table.RESIDUAL_MAX, report  # a reweighting
-    assert not trl_table.check(report), trl_table.check(report)
+    assert np.max(report.residuals) <= trl_prediction.RESIDUAL_MAX, report  # a reweighting
+    assert not trl_prediction.check(report), trl_prediction.check(report)
     return relative
 
 

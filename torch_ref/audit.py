@@ -23,12 +23,9 @@ accumulation, ``steps_per_generation`` and world size (``docs/trl-invariance.md`
 import bigbatch
 from torch_ref._audit_invariance import audit_invariance
 from torch_ref._audit_trainer import audit_hf_trainer, hf_causal_lm_loss_sum
-from torch_ref._audit_trl import (
-    GRPOCut,
-    GRPOInvarianceReport,
-    audit_trl_grpo,
-    audit_trl_grpo_cuts,
-)
+from torch_ref._audit_trl import audit_trl_grpo, audit_trl_grpo_cuts
+from torch_ref._audit_trl_cut import GRPOCut
+from torch_ref._audit_trl_report import GRPOInvarianceReport
 from torch_ref._audit_window import audit_window
 
 AuditReport = bigbatch.AuditReport

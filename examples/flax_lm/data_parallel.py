@@ -30,7 +30,7 @@ jitted step before the per-device loss and handed to ``loss_fn`` as the keys'
 ``uint32`` data, which jaxaccum leaves alone (a typed key would be folded with
 the device index; a single raw ``uint32[2]`` key is refused). Both runs then
 draw the same masks, and what is left between them is float32 summation order
-and bf16 rounding (``ULPS_PER_UPDATE`` and below say how much).
+and bf16 rounding (``_resume_check.py`` says how much).
 """
 
 from __future__ import annotations
@@ -46,46 +46,21 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import _resume_check  # noqa: E402  (examples/flax_lm/_resume_check.py)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
-from flax import nnx  # noqa: E402
+from _dropout_gpt import CONFIG, SEQ_LEN, loss_fn, new_params  # noqa: E402  (the model)
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import jaxaccum  # noqa: E402
-from tinygpt import data, flax_gpt, weights  # noqa: E402
+from tinygpt import data  # noqa: E402
 
 DEVICES, RESUME_DEVICES = 8, 4
 MAX_GRAD_NORM = 1.0
-
-# How far the resumed run's parameters may be from the uninterrupted run's, element by
-# element: |resumed - uninterrupted| <= ULPS_PER_UPDATE * n_after * ulp + f * lr_after, with
-# ulp one bf16 ulp of the parameter (2^-7 to 2^-8 of |p|), n_after the updates the resumed
-# run applies (3) and lr_after the sum of their learning rates. The dropout masks are the
-# same; what differs after the resume is (1) the order of the float32 window sums (the 8
-# saved rows added in float64 into one; 4 partial sums per micro-batch instead of 8) and
-# (2) the backward pass in bf16: one device's gradient of 4 rows instead of two devices'
-# of 2, each rounded to bf16 (~2^-8 relative per rounding). That moves an AdamW step (of
-# order lr) by a few 2^-8 of lr where the gradient is signal, and by up to a quarter of lr
-# where it is mostly bf16 noise (AdamW normalizes noise to full-size steps): the
-# f * lr_after term, f = SIGNAL_LR_FRACTION = 2^-2. How the bf16 backward rounds depends
-# on the XLA version: the worst element uses 0.20 of the bound on jax 0.10.2 and 0.73 on
-# 0.12.0.1 (where 12.9% of the elements differ, against 2.2%; with f = 2^-5 it was 0.31
-# and 2.0). Each update rounds p + step to bf16 in both runs, and steps that differ by less
-# than an ulp round to the same value or to neighbours: one ulp more per update at most,
-# an ulp of the parameter's magnitude then, at most twice today's (it may have crossed a
-# power of two): ULPS_PER_UPDATE = 2 (measured: 2 ulps in all, after 3 updates).
-ULPS_PER_UPDATE = 2
-SIGNAL_LR_FRACTION = 2.0**-2
-# The key bias (the middle third of each qkv bias) has a gradient that is exactly zero
-# in exact arithmetic: it adds q . b_k to every score of a row, which the softmax
-# cancels. In bf16 its gradient is rounding noise, which AdamW normalizes into steps of
-# order lr with the sign of the noise, in both runs independently: f = 1 for it
-# (measured: 0.11).
-NOISE_LR_FRACTION = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +70,7 @@ class Settings:
     updates: int = 6
     k: int = 4
     rows: int = 16  # one global micro-batch: 2 rows per device on 8 devices, 4 on 4
-    seq_len: int = 32
+    seq_len: int = SEQ_LEN
     dropout: float = 0.1
     peak_lr: float = 3e-3
     seed: int = 0
@@ -104,20 +79,6 @@ class Settings:
     @property
     def micro_steps(self) -> int:
         return self.updates * self.k
-
-
-CONFIG = flax_gpt.TinyGPTConfig(block_size=Settings.seq_len)  # 2 layers, 4 heads, d 64
-
-
-def new_params(s: Settings) -> dict:
-    """The project's GPT-2 style initial weights, as a pure dict of bfloat16 numpy arrays.
-
-    Its keys are strings (``params["h"]["0"]``), as Orbax gives them back: the
-    restored parameters are the same pytree, and the compiled micro-step is reused.
-    """
-    init = weights.init_state_dict(CONFIG, seed=s.seed)  # torch layout, float64
-    str_keys = lambda t: {str(k): str_keys(v) for k, v in t.items()} if isinstance(t, dict) else t
-    return str_keys(weights.to_flax_layout(init, CONFIG, jnp.bfloat16))
 
 
 def schedule(s: Settings):
@@ -135,41 +96,6 @@ def new_tx(s: Settings) -> optax.GradientTransformationExtraArgs:
         max_grad_norm=MAX_GRAD_NORM,
         accumulator_dtype=jnp.float32,  # the default: bf16 gradients, float32 window sums
     )
-
-
-@functools.cache
-def _graphdef():
-    """The TinyGPT's graph and abstract state (bf16), built by shape only."""
-    model = nnx.eval_shape(lambda: flax_gpt.TinyGPT(CONFIG, param_dtype=jnp.bfloat16))
-    return nnx.split(model)
-
-
-def dropout(x: jax.Array, row_keys: jax.Array, rate: float, site: int) -> jax.Array:
-    """Inverted dropout of ``x`` [rows, ...], each row's mask from its own key (and ``site``)."""
-    keys = jax.random.wrap_key_data(row_keys)  # [rows] typed keys from their uint32 data
-    draw = lambda key: jax.random.bernoulli(jax.random.fold_in(key, site), 1 - rate, x.shape[1:])
-    keep = jax.vmap(draw)(keys)
-    return jnp.where(keep, x / jnp.asarray(1 - rate, x.dtype), jnp.zeros((), x.dtype))
-
-
-def loss_fn(params: dict, batch: dict, rate: float) -> tuple[jax.Array, jax.Array]:
-    """(summed token loss, valid tokens) of this device's rows, with dropout.
-
-    ``flax_gpt.TinyGPT.__call__`` with dropout after the embeddings and before
-    the last LayerNorm.
-    """
-    graphdef, abstract = _graphdef()
-    state = jax.tree.map(lambda x: x, abstract)  # a fresh copy to fill
-    nnx.replace_by_pure_dict(state, params)
-    model = nnx.merge(graphdef, state)
-    tokens, keys = batch["tokens"], batch["row_keys"]
-    x = model.wte(tokens) + model.wpe(jnp.arange(tokens.shape[1]))[None]
-    x = dropout(x, keys, rate, site=0)
-    for block in model.h:
-        x = block(x)
-    x = dropout(x, keys, rate, site=1)
-    logits = model.lm_head(model.ln_f(x))
-    return jaxaccum.losses.causal_lm(logits, batch["labels"])
 
 
 def row_keys(key: jax.Array, micro_step: jax.Array, rows: jax.Array) -> jax.Array:
@@ -279,52 +205,18 @@ def run(s: Settings, workdir: pathlib.Path, *, progress: bool = True) -> dict:
 # --- the comparison -------------------------------------------------------------------
 
 
-def flat(params: dict) -> dict[str, np.ndarray]:
-    """``{"h/0/attn/qkv/bias": float64 array}``: the same names before and after Orbax."""
-    name = lambda path: "/".join(str(getattr(p, "key", p)) for p in path)
-    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    return {name(path): np.asarray(x, np.float64) for path, x in leaves}
-
-
 def updates_after_resume(s: Settings) -> range:
     """The updates (0-based: the inner optimizer's count) that the resumed run applies."""
     return range(s.checkpoint_after // s.k, s.updates)  # from the one the open window closes
 
 
-def allowed_difference(s: Settings, resumed: dict, full: dict) -> dict[str, np.ndarray]:
-    """Per element, the largest ``|resumed - full|`` the tolerance admits (see above)."""
-    after = updates_after_resume(s)
-    lr_after, allowed = float(sum(schedule(s)(t) for t in after)), {}
-    for name, a in full.items():
-        magnitude = np.maximum(np.abs(a), np.abs(resumed[name]))
-        ulp = np.exp2(np.floor(np.log2(np.maximum(magnitude, 2.0**-126))) - 7)  # bf16: 8 bits
-        fraction = np.full(a.shape, SIGNAL_LR_FRACTION)
-        if name.endswith("attn/qkv/bias"):  # [q, k, v]: the key bias, a zero gradient
-            fraction[CONFIG.d_model : 2 * CONFIG.d_model] = NOISE_LR_FRACTION
-        allowed[name] = ULPS_PER_UPDATE * len(after) * ulp + fraction * lr_after
-    return allowed
-
-
 def compare(s: Settings, result: dict) -> dict:
-    """The measured figures: final losses, parameter differences, the worst against its bound."""
-    resumed, full = flat(result["resumed"]["params"]), flat(result["full"]["params"])
-    allowed = allowed_difference(s, resumed, full)
-    diff = {name: np.abs(resumed[name] - full[name]) for name in full}
-    key_bias = lambda name: name.endswith("attn/qkv/bias")
-    initial = flat(new_params(s))
-    moved = sum(np.sum((full[n] - initial[n]) ** 2) for n in full)  # squared L2, from the start
-    return {
-        "final_loss": float(result["full"]["records"][-1].loss),
-        "resumed_final_loss": float(result["resumed"]["records"][-1].loss),
-        "max_param_diff": max(float(d.max()) for d in diff.values()),
-        "max_param_diff_outside_qkv_bias": max(
-            float(d.max()) for n, d in diff.items() if not key_bias(n)
-        ),
-        "relative_l2": float(np.sqrt(sum(np.sum(d**2) for d in diff.values()) / moved)),
-        "changed_fraction": sum(int((d > 0).sum()) for d in diff.values())
-        / sum(d.size for d in diff.values()),
-        "worst_over_allowed": max(float((diff[n] / allowed[n]).max()) for n in diff),
-    }
+    """The measured figures (``_resume_check.figures``) against this run's tolerance."""
+    after = updates_after_resume(s)
+    lr_after = float(sum(schedule(s)(t) for t in after))
+    key_bias = slice(CONFIG.d_model, 2 * CONFIG.d_model)  # each qkv bias is [q, k, v]
+    return _resume_check.figures(result, new_params(s), updates_after=len(after),
+                                 lr_after=lr_after, key_bias=key_bias)  # fmt: skip
 
 
 def report(s: Settings, result: dict) -> dict:
@@ -359,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(s, pathlib.Path(tmp), progress=not args.no_progress)
     figures = report(s, result)
     print(f"{time.perf_counter() - begin:.0f} s")
-    # the resumed run ends where the uninterrupted one does (the tolerance: see above)
+    # the resumed run ends where the uninterrupted one does (the tolerance: _resume_check.py)
     assert figures["worst_over_allowed"] <= 1.0, figures
     return 0
 

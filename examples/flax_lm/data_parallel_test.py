@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from _resume_check import flat
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
@@ -34,7 +35,7 @@ def test_the_resumed_run_ends_where_the_uninterrupted_run_ends(result):
     figures = dp.report(S, result)  # prints the measured figures (pytest -s shows them)
     # Per element: 2 bf16 ulps per update after the resume + 2^-2 of the learning rates
     # of those updates (1x for the key bias, whose exact gradient is 0): the reasons are
-    # beside ULPS_PER_UPDATE in data_parallel.py. Measured: 0.20 of that bound at most on
+    # beside ULPS_PER_UPDATE in _resume_check.py. Measured: 0.20 of that bound at most on
     # jax 0.10.2, 0.73 on 0.12.0.1.
     assert figures["worst_over_allowed"] <= 1.0, figures
     # Not vacuous: the layout did change something (bf16), and the parameters moved far
@@ -97,7 +98,7 @@ def test_resuming_on_8_devices_is_bitwise_the_uninterrupted_run(result):
     # program runs on the same values: every bit the same (deterministic CPU).
     with standard_numerics():
         again = dp.train(S, *dp.resume(S, result["checkpoint"], devices=dp.DEVICES), progress=False)
-    got, want = dp.flat(again["params"]), dp.flat(result["full"]["params"])
+    got, want = flat(again["params"]), flat(result["full"]["params"])
     assert got.keys() == want.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)

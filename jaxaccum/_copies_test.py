@@ -1,0 +1,124 @@
+"""The compiled step copies nothing that a window does not need, on every route.
+
+Read from the compiled HLO (``testkit.hlo``), never from timings: the ``copy``
+instructions of arrays shaped like a parameter (or a window sum's rows of one),
+on the path every call takes (``entry``) and on the boundary's (``loop``: the
+zero-or-one-trip loops, which run once per window).
+
+* Donated (``donate_argnums`` on params and state): none at all. Between
+  boundaries the loops make no trip and every buffer stays where it is; at the
+  boundary the sums are reset in place, and the inner state is updated in
+  place in the loop that runs only for an applied window.
+* Not donated: exactly the inner optimizer's state (AdamW: its two moments,
+  2 P), in the entry. JAX gives every output of a call without donation a
+  buffer of its own; the inner state is an output that a micro-step does not
+  change, so its value is written into that buffer (optax.MultiSteps writes
+  the same bytes, recomputed). Nothing else, and nothing in the loops.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxaccum
+from testkit import hlo, modes
+
+K = 4
+DEVICES = 4
+SHAPES = {"embed": (24, 16), "hidden": (16, 40), "bias": (40,), "out": (40, 8)}
+
+
+def mlp_params() -> dict:
+    rng = np.random.default_rng(0)
+    return {name: rng.normal(0, 0.3, shape).astype(np.float32) for name, shape in SHAPES.items()}
+
+
+def mlp_loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["embed"])
+    h = jnp.tanh(h @ params["hidden"] + params["bias"][None])
+    return jnp.sum(batch["w"][:, None] * (h @ params["out"] - 1.0) ** 2), jnp.sum(batch["w"])
+
+
+def window_copies(text: str) -> dict[str, list[str]]:
+    """Copies of parameter-shaped arrays (or rows of them), by where they run."""
+    leaves = [np.zeros(shape, np.float32) for shape in SHAPES.values()]
+    rows = [np.zeros((DEVICES, *shape), np.float32) for shape in SHAPES.values()]
+    types = {hlo.hlo_type(x) for x in leaves + rows}
+    found = {"entry": [], "loop": []}
+    for c in hlo.instructions(text, ("copy",)):
+        if c["type"] in types:
+            found.setdefault(c["where"], []).append(c["type"])
+    return found
+
+
+def inner_state_types() -> list[str]:
+    """The array leaves of AdamW's state (its moments), as HLO types."""
+    state = jax.eval_shape(optax.adamw(1e-2).init, mlp_params())
+    return sorted(hlo.hlo_type(x) for x in jax.tree.leaves(state) if x.shape)
+
+
+def compiled(mode: str, donate: bool, **options) -> str:
+    tx = lambda axis: jaxaccum.multi_steps(optax.adamw(1e-2), K, axis_name=axis, **options)
+    devices = 1 if mode == "one_device" else DEVICES
+    run = modes.data_parallel(tx, mlp_loss, mode, devices, donate=donate)
+    params, state = run.init(mlp_params())
+    rng = np.random.default_rng(1)
+    batch = {"x": rng.normal(size=(devices, 3, 24)).astype(np.float32),
+             "w": np.ones((devices, 3), np.float32)}  # fmt: skip
+    return run.hlo(params, state, batch)
+
+
+ROUTES = ("one_device", "jit", "gspmd", "shard_map")
+OPTIONS = {
+    "plain": {},
+    "clipped": {"max_grad_norm": 1.0},
+    "loss_scaled": {"loss_scaling": jaxaccum.DynamicLossScale()},
+}
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=str)
+@pytest.mark.parametrize("mode", ROUTES)
+def test_donated_step_copies_nothing(mode, options):
+    assert window_copies(compiled(mode, True, **OPTIONS[options])) == {"entry": [], "loop": []}
+
+
+@pytest.mark.parametrize("mode", ROUTES)
+def test_step_without_donation_copies_the_inner_state_only(mode):
+    found = window_copies(compiled(mode, False))
+    assert found["loop"] == []
+    assert sorted(found["entry"]) == inner_state_types()
+
+
+def test_pmap_step_copies_nothing():
+    assert window_copies(compiled("pmap", False)) == {"entry": [], "loop": []}
+
+
+def test_nnx_donated_step_copies_nothing():
+    class MLP(nnx.Module):
+        def __init__(self):
+            params = mlp_params()
+            for name, value in params.items():
+                setattr(self, name, nnx.Param(jnp.asarray(value)))
+
+        def __call__(self, x):
+            h = jnp.tanh(x @ self.embed[...])
+            h = jnp.tanh(h @ self.hidden[...] + self.bias[...][None])
+            return h @ self.out[...]
+
+    def loss_fn(model, batch):
+        return jnp.sum(batch["w"][:, None] * (model(batch["x"]) - 1.0) ** 2), jnp.sum(batch["w"])
+
+    model = MLP()
+    optimizer = nnx.Optimizer(model, jaxaccum.multi_steps(optax.adamw(1e-2), K), wrt=nnx.Param)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def micro_step(model, optimizer, batch):
+        (loss_sum, num_items), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
+
+    batch = {"x": np.ones((3, 24), np.float32), "w": np.ones((3,), np.float32)}
+    text = micro_step.lower(model, optimizer, batch).compile().as_text()
+    assert window_copies(text) == {"entry": [], "loop": []}

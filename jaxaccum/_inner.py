@@ -1,0 +1,90 @@
+"""The inner optimizer of :func:`jaxaccum.multi_steps`: its one update per window.
+
+The inner optimizer is the user's code (optax's, most often): it runs under
+JAX's standard promotion rules (:func:`standard_promotion`), once per applied
+window (:meth:`InnerCall.step`), with the extra arguments of the call that
+closed the window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxaccum import _sharding
+
+
+@contextlib.contextmanager
+def standard_numerics() -> Iterator[None]:
+    """JAX's default promotion rules (dtype and rank), for code that is not ours (optax)."""
+    with jax.numpy_dtype_promotion("standard"), jax.numpy_rank_promotion("allow"):
+        yield
+
+
+def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """``tx`` with ``init`` and ``update`` under :func:`standard_numerics`.
+
+    The inner optimizer is the user's code: optax's bias corrections mix a
+    float and an int32 step, which a strict-promotion program refuses.
+    """
+    tx = optax.with_extra_args_support(tx)
+
+    def under_standard(fn: Callable) -> Callable:
+        def wrapped(*args, **kwargs):
+            with standard_numerics():
+                return fn(*args, **kwargs)
+
+        return wrapped
+
+    return optax.GradientTransformationExtraArgs(under_standard(tx.init), under_standard(tx.update))
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerCall:
+    """One call's inner optimizer: its constant extra arguments, the gradients' types.
+
+    Attributes:
+      tx: the inner optimizer (under standard promotion).
+      static: the extra arguments that are not arrays (constants of the program).
+      grad_types: ``ShapeDtypeStruct`` of each gradient leaf of this call: the
+        window gradient reaches ``tx`` in these dtypes.
+    """
+
+    tx: optax.GradientTransformationExtraArgs
+    static: dict
+    grad_types: Any
+
+    @classmethod
+    def for_call(cls, tx, extra_args: dict, grads: Any) -> tuple[InnerCall, dict]:
+        """The call, and the arrays among the extra arguments (they travel in the loop
+        carry; the rest are constants)."""
+        dynamic = {name: v for name, v in extra_args.items() if isinstance(v, jax.Array)}
+        static = {name: v for name, v in extra_args.items() if name not in dynamic}
+        grad_types = jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g), g.dtype), grads)
+        return cls(tx, static, grad_types), dynamic
+
+    def update(self, window_grads: Any, inner_state: Any, params: Any, dynamic: dict) -> tuple:
+        """``tx.update`` with this call's extra arguments."""
+        return self.tx.update(window_grads, inner_state, params, **self.static, **dynamic)
+
+    def update_types(self, inner_state: Any, params: Any, dynamic: dict) -> Any:
+        """The types of the updates ``tx`` returns (``eval_shape`` traces it, nothing runs)."""
+        return jax.eval_shape(self.update, self.grad_types, inner_state, params, dynamic)[0]
+
+    def step(self, slot: Any, inner_state: Any, window_grads: Any, params: Any, dynamic: dict):
+        """The inner update into the slot, in the loop carry's types.
+
+        Dtypes, and shardings: an inner state sharded over the batch axis
+        (ZeRO-1) gives sharded updates, gathered here. Returns the whole carry.
+        """
+        updates, new_inner = self.update(window_grads, inner_state, params, dynamic)
+        like = lambda x, y: _sharding.like(x.astype(y.dtype), y)
+        updates = jax.tree.map(like, updates, slot)
+        new_inner = jax.tree.map(like, new_inner, inner_state)
+        return updates, new_inner, window_grads, params, dynamic
