@@ -10,6 +10,11 @@ PYTHON_LATEST ?= $(shell p=$$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python
 	[ -x "$$p" ] && echo "$$p" || echo python3.12)
 VENV_LATEST := .venv-latest
 STAMP_LATEST := $(VENV_LATEST)/.installed
+# The JAX trainers (Tunix, MaxText): a third environment, the newest set and their pins.
+VENV_TRAINERS := .venv-jax-trainers
+STAMP_TRAINERS := $(VENV_TRAINERS)/.installed
+# maxtext 0.2.5 declares no dependency outside its extras: what its train step imports on a CPU
+MAXTEXT_IMPORTS := pathwaysutils aqtp tokamax drjax tiktoken
 
 # The wheel installs jaxaccum, torch_ref and bigbatch; the repository's own packages
 # (tinygpt, testkit, parity_tests, benchmarks) are put on the environment's path by a
@@ -18,7 +23,7 @@ define repository_on_path
 	echo "$(CURDIR)" > "$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/jaxaccum-repository.pth"
 endef
 
-.PHONY: demo test test-fast test-latest lint docs docs-check parity trl-audit bench audit-gpt2 fuzz clean
+.PHONY: demo test test-fast test-latest jax-trainers jax-trainers-record lint docs docs-check parity trl-audit bench audit-gpt2 fuzz clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -73,6 +78,24 @@ docs-check: docs
 	command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -q chromium; } || echo "[docs-check] chromium could not be installed"
 	$(PY) -m pytest -q -n 0 -m full docs/_site/site_test.py
+$(STAMP_TRAINERS): pyproject.toml constraints-latest.txt constraints-jax-trainers.txt
+	test -x $(VENV_TRAINERS)/bin/python || $(PYTHON_LATEST) -m venv $(VENV_TRAINERS)
+	$(VENV_TRAINERS)/bin/python -m pip install -q --upgrade pip
+	$(VENV_TRAINERS)/bin/python -m pip install -q -c constraints-latest.txt \
+		-c constraints-jax-trainers.txt -e '.[flax,test]' google-tunix maxtext $(MAXTEXT_IMPORTS)
+	$(call repository_on_path,$(VENV_TRAINERS)/bin/python)
+	touch $(STAMP_TRAINERS)
+
+# Tunix's PeftTrainer and GRPOLearner, MaxText's train step and SFT trainer, as they ship, under
+# jaxaccum.audit: each verdict, the fixes, docs/jax-trainers.json against a fresh run, lesson 11
+# and the numbers of docs/jax-trainers.md (its own CI step; see the README for its time).
+jax-trainers: $(STAMP_TRAINERS)
+	$(VENV_TRAINERS)/bin/python -m pytest -q -n 2 --dist loadfile jax_trainers \
+		examples/lessons_test.py examples/docs_numbers_test.py -k "trainers or record or 11_"
+
+# Runs the table again and records it: docs/jax-trainers.json and docs/jax-trainers.md's table.
+jax-trainers-record: $(STAMP_TRAINERS)
+	$(VENV_TRAINERS)/bin/python -m jax_trainers --write
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -103,4 +126,4 @@ fuzz: $(STAMP)
 	JAXACCUM_FUZZ_EXAMPLES=1000 $(PY) -m pytest -q -s jaxaccum/_property_test.py
 
 clean:
-	rm -rf $(VENV) $(VENV_LATEST) build *.egg-info
+	rm -rf $(VENV) $(VENV_LATEST) $(VENV_TRAINERS) build *.egg-info

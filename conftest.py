@@ -18,7 +18,12 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # would; --doctest-modules must not import them as modules.
 collect_ignore_glob = ["examples/[0-9][0-9]_*.py", "examples/_common.py", "examples/flax_lm/train.py",
                        "examples/flax_lm/linen_train_state.py", "benchmarks/__main__.py",
-                       "parity_tests/__main__.py", "testkit/multihost_worker.py"]  # fmt: skip
+                       "parity_tests/__main__.py", "testkit/multihost_worker.py",
+                       "jax_trainers/__main__.py"]  # fmt: skip
+# The JAX trainers' harness imports them (their own environment, `make jax-trainers`); without
+# them its test module is one skip with that reason (jax_trainers/trainers_test.py).
+if importlib.util.find_spec("tunix") is None or importlib.util.find_spec("maxtext") is None:
+    collect_ignore_glob += ["jax_trainers/tunix_*.py", "jax_trainers/maxtext_*.py"]
 
 
 # Without torch (`make test-latest`: Python 3.12 has no CPU build of it here), the

@@ -35,7 +35,7 @@ ROOT = EXAMPLES.parent
 LESSONS = sorted(EXAMPLES.glob("[0-9][0-9]_*.py"))
 FLAX_LM = EXAMPLES / "flax_lm"
 # What a lesson needs beyond JAX (the optional extras): without it, its runs are skipped.
-NEEDS = {"10": ("torch", "transformers", "trl", "datasets")}
+NEEDS = {"10": ("torch", "transformers", "trl", "datasets"), "11": ("tunix",)}
 
 # The documents whose numbers are checked (paths relative to ROOT).
 DOCUMENTS = sorted(

@@ -6,11 +6,13 @@ legend and the table (100 columns), and writes ``DIR/parity.md``,
 against the tolerance band). Then the second table: the audit of the known
 bugs' loops, JAX and torch (``parity_tests.audits``, ``docs/audit.md``), and the
 third: TRL's GRPO update cut into micro-batches, one line per loss type
-(``parity_tests.trl_table``, ``docs/trl-invariance.md``).
+(``parity_tests.trl_table``, ``docs/trl-invariance.md``), and last the JAX trainers (Tunix,
+MaxText) as ``make jax-trainers`` recorded them in their own environment
+(``jax_trainers.table``, ``docs/jax-trainers.md``), labelled as recorded.
 
 Exit status: 0 when every parity check is within tolerance, every negative
 control is flagged, the audit names every loop's bug and TRL's GRPO updates are
-what its code predicts; 1 otherwise (a bug variant NOT flagged is a failure
+what its code predicts and every recorded JAX trainer's verdict is the expected one; 1 otherwise (a bug variant NOT flagged is a failure
 too); 2 when the requested device is not available.
 """
 
@@ -118,7 +120,24 @@ def main(argv: list[str] | None = None) -> int:
     print(grpo_text)
     if grpo_wrong:
         print("FAIL: TRL's GRPO update is not as its code predicts: " + "; ".join(grpo_wrong))
-    return 0 if result.passed and not wrong and not grpo_wrong else 1
+    trainers_text, trainers_wrong = _jax_trainers()
+    print()
+    print(trainers_text)
+    return 0 if result.passed and not wrong and not grpo_wrong and not trainers_wrong else 1
+
+
+def _jax_trainers() -> tuple[str, list[str]]:
+    """The recorded JAX trainers' rows (their own environment runs them) and the unexpected."""
+    from jax_trainers import table
+
+    _, rows = table.recorded()
+    wrong = [f"{r.trainer} {r.config}: {r.verdict}" for r in rows if not table.matches(r)]
+    text = table.demo()
+    if wrong:
+        text += "\nFAIL: a recorded JAX trainer's verdict is not the expected one: " + "; ".join(
+            wrong
+        )
+    return text, wrong
 
 
 if __name__ == "__main__":

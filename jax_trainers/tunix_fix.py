@@ -1,0 +1,53 @@
+"""Tunix's ``PeftTrainer`` made the big batch with jaxaccum, without forking it.
+
+Tunix 0.1.7 wraps the optimizer in ``optax.MultiSteps`` (``tunix/sft/peft_trainer.py:212-215``),
+which averages the micro-batches' gradients, and its default loss is each micro-batch's token
+mean (``peft_trainer.py:878-882``): a mean of means. ``jaxaccum.multi_steps`` needs each
+micro-batch's summed loss and its number of items at ``optimizer.update``; the trainer's step
+calls ``optimizer.update(model, grads)`` with the gradient alone (``peft_trainer.py:354``),
+and no hook passes anything else: ``with_loss_fn(..., has_aux=True)`` returns the aux to the
+loop, not to the optimizer. The missing hook is the step's call of the optimizer, so the fix
+is a subclass of two methods: :class:`ExactPeftTrainer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from tunix.sft import peft_trainer
+
+import jaxaccum
+
+
+class ExactPeftTrainer(peft_trainer.PeftTrainer):
+    """``PeftTrainer`` accumulating with ``jaxaccum.multi_steps``: sums, divided once per window.
+
+    Use it as ``PeftTrainer``, with a loss that returns ``(loss_sum, num_items)``
+    (``with_loss_fn(loss_fn)``, e.g. ``jaxaccum.losses.causal_lm`` of the logits):
+
+        trainer = ExactPeftTrainer(model, optax.adamw(1e-4), config).with_loss_fn(loss_fn)
+
+    ``gradient_accumulation_steps`` keeps its meaning (the loop counts an update every
+    ``k`` micro-batches); the optimizer is ``jaxaccum.multi_steps(optimizer, k)`` instead of
+    ``optax.MultiSteps``, and Tunix restores its state from a checkpoint as it does its own.
+    """
+
+    def __init__(self, model, optimizer, training_config, **kwargs):
+        k = training_config.gradient_accumulation_steps or 1
+        without_multisteps = dataclasses.replace(training_config, gradient_accumulation_steps=None)
+        super().__init__(model, jaxaccum.multi_steps(optimizer, k), without_multisteps, **kwargs)
+        self.config = training_config  # the loop closes an update every k micro-batches
+        self._iter_steps = self._train_steps * k  # as PeftTrainer counts them after a restore
+
+    def _train_step(self, model: nnx.Module, optimizer: nnx.Optimizer, inputs: Any):
+        """One micro-batch: the gradient of its SUMMED loss, handed over with its items."""
+        inputs = self.gen_model_input_fn(inputs)
+        wrt = nnx.DiffState(0, nnx.LoRAParam) if self._lora_enabled else 0
+        grad_fn = nnx.value_and_grad(self.loss_fn, argnums=wrt, has_aux=True)
+        (loss_sum, num_items), grads = grad_fn(model, **inputs)
+        optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
+        return loss_sum / jnp.maximum(num_items, 1), None, optax.global_norm(grads)
