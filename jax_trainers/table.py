@@ -106,12 +106,14 @@ def run_all() -> list[Measured]:
     return rows
 
 
-def record(rows: list[Measured]) -> None:
-    """Writes ``docs/jax-trainers.json``: the rows, the date, the packages' versions."""
+def record(rows: list[Measured], lesson_output: str) -> None:
+    """Writes ``docs/jax-trainers.json``: the rows, lesson 11's printed output (the site shows
+    it where Tunix is not installed), the date, the packages' versions."""
     recorded = {
         "date": datetime.date.today().isoformat(),
         "versions": {name: importlib.metadata.version(name) for name in PACKAGES},
         "rows": [dataclasses.asdict(row) for row in rows],
+        "lesson_11": lesson_output,
     }
     RECORD.write_text(json.dumps(recorded, indent=1) + "\n")
 
@@ -119,7 +121,21 @@ def record(rows: list[Measured]) -> None:
 def recorded() -> tuple[dict, list[Measured]]:
     """The record: its header (date, versions) and its rows."""
     data = json.loads(RECORD.read_text())
-    return {k: v for k, v in data.items() if k != "rows"}, [Measured(**r) for r in data["rows"]]
+    header = {k: v for k, v in data.items() if k not in ("rows", "lesson_11")}
+    return header, [Measured(**r) for r in data["rows"]]
+
+
+def recorded_lesson_output() -> str:
+    """What lesson 11 printed when the record was made."""
+    return json.loads(RECORD.read_text())["lesson_11"]
+
+
+def lesson_output() -> str:
+    """Lesson 11's printed output, run now in this process (``_headlines`` runs lessons)."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import _headlines
+
+    return _headlines.lesson("11").output
 
 
 def _weights(row: Measured) -> str:
@@ -197,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(rows))
     wrong = [f"{r.trainer} {r.config} {r.route}: {r.verdict}" for r in rows if not matches(r)]
     if "--write" in (argv or []):
-        record(rows)
+        record(rows, lesson_output())
         DOC.write_text(docs_blocks.replace_block(DOC.read_text(), BLOCK, recorded_block()))
     for line in wrong:
         print(f"FAIL, not the expected verdict: {line}")

@@ -139,13 +139,20 @@ def _update(window_fn, params, batch, layout, learning_rate, **window_kwargs) ->
         for m in range(layout.k_window)
     ]
     reference = jax.tree.leaves(params)
-    own = jax.tree.map(lambda x: jnp.array(x, copy=True), params)  # the loop's to change
+    own = jax.tree.map(_copy, params)  # the loop's to change
     new_params = window_fn(own, microbatches, optax.sgd(learning_rate), **window_kwargs)
     del own
     _check_untouched(params, reference)
     new_leaves = jax.tree.leaves(_check_new_params(new_params, params))
     del new_params
     return bigbatch.parameter_change(new_leaves, reference)
+
+
+def _copy(x: Any) -> Any:
+    """A copy of a leaf in its own buffer, laid out as it is (a sharded array stays sharded)."""
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, x.sharding, may_alias=False)
+    return np.array(x, copy=True)
 
 
 def _check_untouched(params: Any, reference: list) -> None:

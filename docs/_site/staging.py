@@ -14,9 +14,12 @@ reads again only the pages that changed (the lessons run at every build).
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import pathlib
 import re
 
+import _headlines
 import public_api
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -28,6 +31,10 @@ PAGES = ["README.md", "CHANGELOG.md", "examples/flax_lm/README.md"] + sorted(
 LESSONS_SOURCE = "_lessons"  # where sphinx-gallery reads the lessons (under the source tree)
 LESSONS = "lessons"  # where it writes their pages
 LESSON_TAIL = 'if __name__ == "__main__":\n    raise SystemExit(main())\n'
+# A lesson that needs what the site's environment lacks (``_headlines.NEEDS``: lesson 11 runs
+# Tunix) is shown with the output its own environment recorded: the record, the key of the
+# output in it, and the make target that checks the record against a fresh run.
+RECORDED = {"11": ("docs/jax-trainers.json", "lesson_11", "make jax-trainers")}
 # A Markdown link's target: ](target) or ](target#anchor)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
 
@@ -35,6 +42,29 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
 def lesson_paths() -> list[pathlib.Path]:
     """The lessons, ``examples/NN_*.py``, in order."""
     return sorted((ROOT / "examples").glob("[0-9][0-9]_*.py"))
+
+
+def runnable(number: str) -> bool:
+    """Whether this environment has every module lesson ``number`` needs."""
+    return all(importlib.util.find_spec(m) is not None for m in _headlines.NEEDS.get(number, ()))
+
+
+def recorded_output(number: str) -> str:
+    """The gallery's last block for a lesson it does not run: the output its own
+    environment recorded, with where and when (``RECORDED``)."""
+    record, key, target = RECORDED[number]
+    data = json.loads((ROOT / record).read_text())
+    needs = ", ".join(f"``{m}``" for m in _headlines.NEEDS[number])
+    lines = [
+        f"This lesson needs {needs}, which the site's environment does not hold: it runs in the",
+        f"environment of ``{target}``, which checks the output below (recorded on",
+        f"{data['date']}, ``{record}``) against a fresh run.",
+        "",
+        ".. code-block:: text",
+        "",
+        *("   " + line if line else "" for line in data[key].rstrip().splitlines()),
+    ]
+    return "# %%\n" + "".join(f"# {line}\n" if line else "#\n" for line in lines)
 
 
 def write_if_changed(path: pathlib.Path, content: str | bytes) -> pathlib.Path:
@@ -63,14 +93,15 @@ def linked_files(page: str) -> list[str]:
     return sorted(found)
 
 
-def lesson_for_gallery(source: str, script: str) -> str:
+def lesson_for_gallery(source: str, script: str, recorded: str | None = None) -> str:
     """A lesson as sphinx-gallery reads it: its docstring's first line a title, the rest
     reStructuredText, and ``main()`` run and asserted in a block of its own.
 
     The lesson ends with ``raise SystemExit(main())`` under ``__main__``, which in
     the build's process would end the build: here its last block asserts
     ``main() == 0`` instead (``main`` asserts every number it prints). Indented
-    blocks of the docstring become literal blocks.
+    blocks of the docstring become literal blocks. A lesson the site cannot run ends
+    with its ``recorded`` output instead (:func:`recorded_output`).
 
     >>> lesson = '\"\"\"Lesson 0: a title.\\n\\nText.\\n\\n    python x.py\\n\"\"\"\\n\\n'
     >>> print(lesson_for_gallery(lesson + "def main():\\n    return 0\\n\\n\\n" + LESSON_TAIL,
@@ -112,6 +143,7 @@ def lesson_for_gallery(source: str, script: str) -> str:
         "assert main() == 0\n"
     )
     body = code[: -len(LESSON_TAIL)]
+    run = run if recorded is None else recorded
     return f'"""{title}\n{"=" * len(title)}\n{text}"""{body}{run}'
 
 
@@ -138,10 +170,12 @@ def stage_lessons(srcdir: pathlib.Path) -> list[pathlib.Path]:
                                 (SITE / "lessons_header.rst").read_text())]  # fmt: skip
     for path in lesson_paths():
         source = path.read_text()
-        lesson = lesson_for_gallery(source, f"examples/{path.name}")
+        number = path.name[:2]
+        recorded = None if runnable(number) else recorded_output(number)
+        lesson = lesson_for_gallery(source, f"examples/{path.name}", recorded)
         if "matplotlib" not in source:  # no figure of its own: a title card
             card = f"{LESSONS_SOURCE}/thumbnails/{path.stem}.png"
-            written.append(write_if_changed(srcdir / card, title_card(path.name[:2])))
+            written.append(write_if_changed(srcdir / card, title_card(number)))
             lesson += f'\n# sphinx_gallery_thumbnail_path = "{card}"\n'
         written.append(write_if_changed(srcdir / LESSONS_SOURCE / path.name, lesson))
     return written
