@@ -149,9 +149,10 @@ def _update(window_fn, params, batch, layout, learning_rate, **window_kwargs) ->
 
 
 def _copy(x: Any) -> Any:
-    """A copy of a leaf in its own buffer, laid out as it is (a sharded array stays sharded)."""
+    """A copy of a leaf in its own buffer, laid out as it is: the same sharding, committed
+    to its devices or not as it was."""
     if isinstance(x, jax.Array):
-        return jax.device_put(x, x.sharding, may_alias=False)
+        return jax.device_put(x, may_alias=False)
     return np.array(x, copy=True)
 
 
