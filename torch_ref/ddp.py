@@ -4,23 +4,20 @@
 ``torch.multiprocessing.start_processes`` ("forkserver" by default: forked
 from a clean server that imported torch once; "spawn" also works), joins them
 into one process group, calls ``fn(rank, world_size, *args)`` in each and
-returns the ranks' return values in rank order. The whole run is bounded by
-``timeout_s``. ``fn`` and ``args`` reach the ranks, and the results come back,
-as pickles in a temporary directory (a pipe would fill up and block the rank);
-each rank unpickles its own copy (tensors too: never shared memory).
+returns the ranks' return values in rank order, all within ``timeout_s``.
+``fn``, ``args`` and the results travel as pickles in a temporary directory (a
+pipe would fill up and block the rank): each rank unpickles its own copy.
 
-The rendezvous needs no free port guessed in advance: this process serves the
-group's ``TCPStore`` on 127.0.0.1, on a port the OS picks when it binds
-(port 0) and that stays bound until the run ends; the ranks connect to it as
-clients. (A port picked, released, then bound again by rank 0 can be taken by
-another job in between, and rank 1 may even reach that job's store.)
+The rendezvous guesses no free port: this process serves the group's
+``TCPStore`` on 127.0.0.1 on a port the OS picks as it binds (port 0), held
+until the run ends; the ranks are its clients. (A port picked, released and
+bound again by rank 0 could be taken by another job in between.)
 
-A failure says why: each rank's stderr (file descriptor 2: Python, C++ and
-``faulthandler``'s stacks of every thread on a crash) goes to a file in the
-run's directory, copied to this process's stderr after the run. The
-``RuntimeError`` of a rank that raised, died (an exit code, a signal) or hung
-past ``timeout_s`` holds its traceback, or the Python stacks of the hung ranks,
-and the last `STDERR_LINES` lines of every rank's stderr.
+A failure says why: each rank's stderr (file descriptor 2: Python, native code,
+``faulthandler``'s stacks on a crash) goes to a file, copied to this process's
+stderr after the run. The ``RuntimeError`` of a rank that raised, died (an exit
+code, a signal) or hung past ``timeout_s`` holds its traceback (a hung rank's
+Python stack) and the last `STDERR_LINES` lines of every rank's stderr.
 
 The standard launcher is torchrun (``python -m torch.distributed.run
 --nproc_per_node=R -m <your module>``): the same ranks, from the environment
@@ -159,16 +156,14 @@ def run(
             _join(context, timeout_s, out_dir)
         finally:
             _stop(context.processes)
-            del store
+            del store  # held to the end
             for rank in range(world_size):
                 sys.stderr.write(_read(_stderr_path(out_dir, rank)))
         return [_load(os.path.join(out_dir, f"rank{rank}.pkl")) for rank in range(world_size)]
 
 
 def _check_main_module() -> None:
-    """Refuses a main module the ranks cannot import (they would all die before ``fn``)."""
-    # multiprocessing's forkserver and spawn re-import the program's main module in every
-    # process they start (``fn`` may live there): a program read from stdin has no file.
+    """Refuses a main module the ranks cannot import: multiprocessing imports it in each."""
     main = sys.modules["__main__"]
     path = getattr(main, "__file__", None)
     if getattr(main, "__spec__", None) is None and path is not None:
@@ -200,9 +195,10 @@ def _join(context: mp.ProcessContext, timeout_s: float, out_dir: str) -> None:
         ) from None
     except mp.ProcessExitedException as e:
         raise RuntimeError(
-            f"torch_ref.ddp.run: rank {e.error_index} died: {e.msg} (no Python exception: a"
-            " hard exit, a signal or a crash in native code; SIGKILL is often the kernel's"
-            " out-of-memory killer)" + _stderr_tails(out_dir, len(context.processes))
+            f"torch_ref.ddp.run: rank {e.error_index} died: {e.msg}, without a traceback (an"
+            " exit outside fn's exceptions, a signal, a crash in native code, or multiprocessing"
+            " failing to start it; SIGKILL is often the out-of-memory killer)"
+            + _stderr_tails(out_dir, len(context.processes))
         ) from None
 
 
@@ -257,7 +253,7 @@ def _stderr_path(out_dir: str, rank: int) -> str:
 
 
 def _read(path: str) -> str:
-    """The file's text ('' when the rank never created it)."""
+    """The file's text ('' when there is none)."""
     with contextlib.suppress(FileNotFoundError), open(path, errors="replace") as f:
         return f.read()
     return ""
@@ -288,7 +284,7 @@ def _dump_stacks(processes: list[multiprocessing.Process]) -> list[int]:
     for rank in hung:
         with contextlib.suppress(ProcessLookupError):
             os.kill(processes[rank].pid, _DUMP_STACKS)
-    time.sleep(1.0)  # faulthandler writes from a signal handler: at once, even under load
+    time.sleep(1.0)  # a second for them to write (faulthandler's handler is native code)
     return hung
 
 

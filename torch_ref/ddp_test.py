@@ -13,6 +13,7 @@ import errno
 import os
 import re
 import socket
+import subprocess
 import sys
 import time
 
@@ -295,3 +296,29 @@ def test_every_rank_gets_its_own_copy_of_the_arguments():
     got = ddp.run(2, _add_rank, tensor, timeout_s=60)
     assert [t.tolist() for t in got] == [[1.0] * 3, [2.0] * 3]  # integers: exact
     assert tensor.tolist() == [0.0] * 3
+
+
+# A program that launches ranks, as a user writes it (the rank's fn: a torch_ref function).
+LAUNCHER = """
+from torch_ref import ddp
+if __name__ == "__mp_main__":  # multiprocessing imports the main module in every rank
+    raise RuntimeError("this program refuses to be imported in a rank")
+if __name__ == "__main__":
+    ddp.run(2, ddp.one_cpu_thread, timeout_s=60)
+"""
+
+
+def test_a_rank_that_dies_before_fn_is_explained(tmp_path):
+    # read from stdin: no file for the ranks to import; refused before any rank starts
+    stdin = subprocess.run(
+        [sys.executable, "-"], input=LAUNCHER, capture_output=True, text=True, timeout=120
+    )
+    assert "is not a file (a program read from stdin?)" in stdin.stderr, stdin.stderr
+    # from a file the ranks fail to import: they die in multiprocessing, before torch_ref's code
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    script = subprocess.run(
+        [sys.executable, str(tmp_path / "launcher.py")], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert "rank 0's stderr: none, it ended before torch_ref.ddp's code ran" in script.stderr
+    assert "RuntimeError: this program refuses to be imported in a rank" in script.stderr
