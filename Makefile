@@ -23,7 +23,7 @@ define repository_on_path
 	echo "$(CURDIR)" > "$$($(1) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/jaxaccum-repository.pth"
 endef
 
-.PHONY: demo test test-fast test-latest jax-trainers jax-trainers-record lint docs docs-check parity trl-audit bench audit-gpt2 fuzz clean
+.PHONY: demo test test-fast test-latest jax-trainers jax-trainers-record lint docs docs-check parity trl-audit bench audit-gpt2 fuzz stress clean
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -124,6 +124,12 @@ audit-gpt2: $(STAMP)
 # examples per mode (vmap, shard_map, plain jit) instead of 40. Not in CI.
 fuzz: $(STAMP)
 	JAXACCUM_FUZZ_EXAMPLES=1000 $(PY) -m pytest -q -s jaxaccum/_property_test.py
+
+# 50 launches of two gloo ranks (torch_ref.ddp.run: the DDP reference loop, the HF Trainer audit,
+# TRL's GRPO audit) beside two CPU burners: launches, deaths and wrong answers per kind, a non-zero
+# exit on any, each death's error printed (about 20 minutes on 2 cores). Not in CI.
+stress: $(STAMP)
+	$(PY) -m torch_ref.stress --launches 50 --burners 2
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) $(VENV_TRAINERS) build *.egg-info

@@ -9,12 +9,15 @@ process on 4 of its 8 fake devices. Final parameters and every window record
 must agree.
 """
 
+import contextlib
+import errno
 import os
 import pathlib
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -42,53 +45,64 @@ PARAM_ATOL = 3e-5
 RECORD_RTOL = 1e-6
 
 
-def free_port() -> int:
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A port on 127.0.0.1 that this process keeps bound (not listening) until the block ends.
+
+    Process 0 starts the coordinator on it seconds later, after importing JAX; a port picked
+    and released here could be taken by another job in between (and process 1 would reach
+    that job). JAX's coordinator is a gRPC server, and gRPC binds with SO_REUSEPORT: it binds
+    next to this socket, while every other bind (a plain one, or another port-0 pick) is
+    refused the port.
+    """
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
+
+
+def test_a_reserved_port_cannot_be_taken_by_another_job():
+    with reserved_port() as port, socket.socket() as other:
+        with pytest.raises(OSError) as error:
+            other.bind(("127.0.0.1", port))
+        assert error.value.errno == errno.EADDRINUSE
 
 
 def launch(tmp_path, mode) -> list[dict]:
     """Runs the 2 worker processes; kills both on failure or timeout."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    port = free_port()
     outs = [tmp_path / f"process_{i}.npz" for i in range(NUM_PROCESSES)]
     logs = [open(tmp_path / f"process_{i}.log", "w+") for i in range(NUM_PROCESSES)]
     procs = []
-    try:
-        for i in range(NUM_PROCESSES):
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "testkit.multihost_worker",
-                        str(i),
-                        str(NUM_PROCESSES),
-                        str(port),
-                        str(outs[i]),
-                        mode,
-                    ],
-                    cwd=REPO_ROOT,
-                    env=env,
-                    stdout=logs[i],
-                    stderr=subprocess.STDOUT,
+    with reserved_port() as port:
+        try:
+            for i in range(NUM_PROCESSES):
+                worker_args = [str(i), str(NUM_PROCESSES), str(port), str(outs[i]), mode]
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "testkit.multihost_worker", *worker_args],
+                        cwd=REPO_ROOT,
+                        env=env,
+                        stdout=logs[i],
+                        stderr=subprocess.STDOUT,
+                    )
                 )
-            )
-        deadline = time.monotonic() + TIMEOUT_S
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        for i, proc in enumerate(procs):
-            logs[i].seek(0)
-            assert proc.returncode == 0, f"process {i} failed:\n{logs[i].read()[-4000:]}"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        for log in logs:
-            log.close()
+            deadline = time.monotonic() + TIMEOUT_S
+            for proc in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            for i, proc in enumerate(procs):
+                logs[i].seek(0)
+                ended = "ran past TIMEOUT_S" if proc.poll() is None else f"exit {proc.returncode}"
+                assert proc.returncode == 0, f"process {i}: {ended}:\n{logs[i].read()[-4000:]}"
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            for log in logs:
+                log.close()
     results = []
     for path in outs:
         with np.load(path) as data:

@@ -29,7 +29,6 @@ from parity_tests.torch_ranks import run_scenario  # noqa: E402
 from parity_tests.torch_scenario import AdamW, Scenario, WarmupCosine, split_window  # noqa: E402
 from tinygpt.torch_gpt import TinyGPT, export_state_dict  # noqa: E402
 from tinygpt.torch_testing import CONFIG, skewed_batch  # noqa: E402
-from torch_ref import ddp  # noqa: E402
 
 WEIGHTS = export_state_dict(TinyGPT(CONFIG, seed=0))
 TORCHRUN_TIMEOUT_S = 240  # start-up (~10 s of CPU per rank on 2 cores) plus 2 tiny windows
@@ -50,12 +49,10 @@ def _max_param_gap(a, b) -> float:
 def _torchrun(args: list[str]) -> str:
     """Runs torchrun with ``args``; its output. Kills its whole process group on a timeout."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
-    cmd += [
-        "--master_addr=127.0.0.1",
-        f"--master_port={ddp.free_port()}",
-        "-m",
-        "parity_tests.torch_launch",
-    ]
+    # --standalone: torchrun's agent binds its store on a port the OS picks (port 0) and holds
+    # it; a port picked here would be released, then bound by torchrun later (another job may
+    # take it in between)
+    cmd += ["--standalone", "--local-addr=127.0.0.1", "-m", "parity_tests.torch_launch"]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         cmd + args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -3,12 +3,21 @@
 `run(world_size, fn, *args)` starts ``world_size`` processes with
 ``torch.multiprocessing.start_processes`` ("forkserver" by default: forked
 from a clean server that imported torch once; "spawn" also works), joins them
-into one process group over TCP on 127.0.0.1 (a free port picked at launch),
-calls ``fn(rank, world_size, *args)`` in each and returns the ranks' return
-values in rank order. torch's process context does the rest: a rank that
-raises ends the run (its traceback in the error), the others are terminated.
-The whole run is bounded by ``timeout_s``. Results travel back as pickles in a
-temporary directory (a pipe would fill up and block the rank).
+into one process group, calls ``fn(rank, world_size, *args)`` in each and
+returns the ranks' return values in rank order, all within ``timeout_s``.
+``fn``, ``args`` and the results travel as pickles in a temporary directory (a
+pipe would fill up and block the rank): each rank unpickles its own copy.
+
+The rendezvous guesses no free port: this process serves the group's
+``TCPStore`` on 127.0.0.1 on a port the OS picks as it binds (port 0), held
+until the run ends; the ranks are its clients. (A port picked, released and
+bound again by rank 0 could be taken by another job in between.)
+
+A failure says why: each rank's stderr (file descriptor 2: Python, native code,
+``faulthandler``'s stacks on a crash) goes to a file, copied to this process's
+stderr after the run. The ``RuntimeError`` of a rank that raised, died (an exit
+code, a signal) or hung past ``timeout_s`` holds its traceback (a hung rank's
+Python stack) and the last `STDERR_LINES` lines of every rank's stderr.
 
 The standard launcher is torchrun (``python -m torch.distributed.run
 --nproc_per_node=R -m <your module>``): the same ranks, from the environment
@@ -33,11 +42,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import gc
 import multiprocessing
 import os
 import pickle
-import socket
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -47,6 +58,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+HOST = "127.0.0.1"
+STDERR_LINES = 30
+"""How many of each rank's last stderr lines an error shows."""
 # Imported once by the fork server. DistributedDataParallel's constructor
 # imports torch._dynamo (~6 s of CPU), so it is preloaded too.
 _PRELOAD = [
@@ -56,13 +70,8 @@ _PRELOAD = [
     "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
     "torch_ref",
 ]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# A hung rank prints its stacks on this signal (faulthandler), before it is stopped.
+_DUMP_STACKS = signal.SIGUSR1
 
 
 @contextlib.contextmanager
@@ -104,11 +113,11 @@ def run(
     Args:
       world_size: number of ranks (>= 1).
       fn: a module-level function; its return value must be picklable.
-      *args: picklable arguments passed to every rank.
+      *args: picklable arguments; every rank unpickles its own copy.
       backend: "gloo" (CPU, or CUDA tensors) or "nccl" (one GPU per rank).
       device: "cpu" or "cuda"; visible to ``fn`` via `current_device()`.
       timeout_s: wall-clock bound of the whole run, start-up included; also the
-        process-group timeout of every collective.
+        process-group timeout of every collective and of the rendezvous.
       start_method: "forkserver" (ranks forked from a server process that
         pre-imported torch: fresh interpreters that never saw the caller's
         state, e.g. JAX threads) or "spawn" (a fresh interpreter per rank).
@@ -117,44 +126,80 @@ def run(
       [result of rank 0, ..., result of rank world_size - 1].
 
     Raises:
-      RuntimeError: a rank raised (its traceback is in the message), died, or
-        the run exceeded ``timeout_s`` (all processes are stopped first).
+      RuntimeError: a rank raised, died (an exit code or a signal), or the run
+        exceeded ``timeout_s`` (all processes are stopped first); the message
+        holds the traceback (or the hung ranks' stacks) and every rank's last
+        stderr lines.
     """
     if world_size < 1:
         raise ValueError(f"world_size: expected an int >= 1, got {world_size!r}")
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device: expected 'cpu' or 'cuda', got {device!r}")
+    _check_main_module()
     with tempfile.TemporaryDirectory(prefix="torch_ref_ddp_") as out_dir:
+        _dump(os.path.join(out_dir, "call.pkl"), (fn, args))
         if start_method == "forkserver":
             # Every rank is a cheap fork of a server that imported torch once
             # (a cold `import torch` costs ~3 s of CPU per rank).
             multiprocessing.set_forkserver_preload(_PRELOAD)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # Bound to a port the OS picks, held until the run ends: no other job can take it.
+        store = dist.TCPStore(HOST, 0, None, True, timeout, wait_for_workers=False)
         context = mp.start_processes(
             _rank_main,
-            args=(world_size, free_port(), backend, device, timeout_s, out_dir, fn, args),
+            args=(world_size, store.port, backend, device, timeout_s, out_dir),
             nprocs=world_size,
             join=False,
             start_method=start_method,
         )
-        deadline = time.monotonic() + timeout_s
         try:
-            while not context.join(timeout=max(0.0, deadline - time.monotonic()), grace_period=5):
-                if time.monotonic() >= deadline:
-                    raise RuntimeError(
-                        f"torch_ref.ddp.run: {world_size} ranks did not finish within "
-                        f"timeout_s={timeout_s}"
-                    )
-        except mp.ProcessRaisedException as e:
-            raise RuntimeError(f"torch_ref.ddp.run: a rank failed:\n{e}") from None
-        except mp.ProcessExitedException as e:
-            raise RuntimeError(f"torch_ref.ddp.run: a rank died: {e}") from None
+            _join(context, timeout_s, out_dir)
         finally:
             _stop(context.processes)
-        results = []
-        for rank in range(world_size):
-            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
+            del store  # held to the end
+            for rank in range(world_size):
+                sys.stderr.write(_read(_stderr_path(out_dir, rank)))
+        return [_load(os.path.join(out_dir, f"rank{rank}.pkl")) for rank in range(world_size)]
+
+
+def _check_main_module() -> None:
+    """Refuses a main module the ranks cannot import: multiprocessing imports it in each."""
+    main = sys.modules["__main__"]
+    path = getattr(main, "__file__", None)
+    if getattr(main, "__spec__", None) is None and path is not None:
+        path = os.path.join(multiprocessing.process.ORIGINAL_DIR or "", path)
+        if not os.path.isfile(path):
+            raise RuntimeError(
+                f"torch_ref.ddp.run: the ranks import this program's main module and {path!r}"
+                " is not a file (a program read from stdin?): run it from a file, a module"
+                " (python -m) or python -c"
+            )
+
+
+def _join(context: mp.ProcessContext, timeout_s: float, out_dir: str) -> None:
+    """Waits for the ranks; a failure or the deadline raises the error that says why."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic()), grace_period=5):
+            if time.monotonic() >= deadline:
+                hung = _dump_stacks(context.processes)
+                raise RuntimeError(
+                    f"torch_ref.ddp.run: ranks {hung} of {len(context.processes)} did not finish"
+                    f" within timeout_s={timeout_s}; their Python stacks are in their stderr"
+                    + _stderr_tails(out_dir, len(context.processes))
+                )
+    except mp.ProcessRaisedException as e:
+        raise RuntimeError(
+            f"torch_ref.ddp.run: rank {e.error_index} failed:{e.msg}"
+            + _stderr_tails(out_dir, len(context.processes))
+        ) from None
+    except mp.ProcessExitedException as e:
+        raise RuntimeError(
+            f"torch_ref.ddp.run: rank {e.error_index} died: {e.msg}, without a traceback (an"
+            " exit outside fn's exceptions, a signal, a crash in native code, or multiprocessing"
+            " failing to start it; SIGKILL is often the out-of-memory killer)"
+            + _stderr_tails(out_dir, len(context.processes))
+        ) from None
 
 
 def _rank_main(
@@ -165,17 +210,21 @@ def _rank_main(
     device: str,
     timeout_s: float,
     out_dir: str,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
 ) -> None:
-    """One rank: join the process group, call ``fn``, pickle its result into ``out_dir``."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCH_REF_DEVICE=device)
+    """One rank: stderr to its file, join the group, call ``fn``, pickle its result."""
+    stderr = open(_stderr_path(out_dir, rank), "ab", buffering=0)  # noqa: SIM115 (to the exit)
+    os.dup2(stderr.fileno(), 2)  # Python's sys.stderr and native code's writes alike
+    faulthandler.enable(file=stderr)  # a crash prints every thread's Python stack
+    faulthandler.register(_DUMP_STACKS, file=stderr)
+    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), TORCH_REF_DEVICE=device)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)  # R ranks share the host's cores
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    fn, args = _load(os.path.join(out_dir, "call.pkl"))
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    store = dist.TCPStore(HOST, port, None, False, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = fn(rank, world_size, *args)
     finally:
@@ -184,10 +233,59 @@ def _rank_main(
         # exception", 1 run in ~15 under load); freed here, while the group lives
         gc.collect()
         dist.destroy_process_group()
-    path = os.path.join(out_dir, f"rank{rank}.pkl")
+    _dump(os.path.join(out_dir, f"rank{rank}.pkl"), result)
+
+
+def _dump(path: str, value: Any) -> None:
+    """Pickles ``value`` to ``path`` atomically (a reader never sees half a file)."""
     with open(path + ".tmp", "wb") as f:
-        pickle.dump(result, f)
+        pickle.dump(value, f)
     os.replace(path + ".tmp", path)
+
+
+def _load(path: str) -> Any:
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _stderr_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.stderr")
+
+
+def _read(path: str) -> str:
+    """The file's text ('' when there is none)."""
+    with contextlib.suppress(FileNotFoundError), open(path, errors="replace") as f:
+        return f.read()
+    return ""
+
+
+def _stderr_tails(out_dir: str, world_size: int) -> str:
+    """Every rank's last `STDERR_LINES` stderr lines, as sections of an error message."""
+    sections = []
+    for rank in range(world_size):
+        path = _stderr_path(out_dir, rank)
+        if not os.path.exists(path):
+            sections.append(
+                f"\n\n-- rank {rank}'s stderr: none, it ended before torch_ref.ddp's code ran in"
+                " it (while multiprocessing started it: its traceback, if any, is in this"
+                " process's stderr) --"
+            )
+            continue
+        lines = _read(path).splitlines()
+        shown = f"last {STDERR_LINES} of {len(lines)}" if len(lines) > STDERR_LINES else "all"
+        body = "\n".join(lines[-STDERR_LINES:]) if lines else "(empty)"
+        sections.append(f"\n\n-- rank {rank}'s stderr ({shown} lines) --\n{body}")
+    return "".join(sections)
+
+
+def _dump_stacks(processes: list[multiprocessing.Process]) -> list[int]:
+    """Asks the ranks still alive for their stacks (into their stderr); their ranks."""
+    hung = [rank for rank, proc in enumerate(processes) if proc.is_alive()]
+    for rank in hung:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(processes[rank].pid, _DUMP_STACKS)
+    time.sleep(1.0)  # a second for them to write (faulthandler's handler is native code)
+    return hung
 
 
 def _stop(processes: list[multiprocessing.Process]) -> None:

@@ -9,11 +9,17 @@ of 4 ranks for everything else. Data: `tinygpt.torch_testing.skewed_batch` (vali
 
 from __future__ import annotations
 
+import errno
+import os
+import re
+import socket
+import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
+import torch
 
 from parity_tests.torch_ranks import run_scenarios
 from parity_tests.torch_scenario import SGD, AdamW, Scenario, WarmupCosine, split_window
@@ -189,7 +195,21 @@ def test_spawn_cost_is_bounded(results):
 
 def _raise_on_rank_1(rank: int, world_size: int) -> int:
     if rank == 1:
+        print("rank 1 was here", file=sys.stderr)
         raise ValueError("rank 1 fails on purpose")
+    return rank
+
+
+def _exit_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os.write(2, b"rank 1 leaves without a word\n")  # native code writing to fd 2
+        os._exit(3)  # no exception: torch writes no error file
+    return rank
+
+
+def _abort_on_rank_1(rank: int, world_size: int) -> int:
+    if rank == 1:
+        os.abort()  # SIGABRT, as a C++ std::terminate
     return rank
 
 
@@ -208,12 +228,97 @@ def test_ranks_never_see_jax():
     assert ddp.run(2, _framework_modules, timeout_s=60) == [[], []]
 
 
-def test_launcher_reports_errors_and_times_out():
-    with pytest.raises(RuntimeError, match="rank 1 fails on purpose"):
+def test_a_rank_that_raises_reports_its_traceback_and_stderr(capfd):
+    with pytest.raises(RuntimeError) as error:
         ddp.run(2, _raise_on_rank_1, timeout_s=60)
+    message = str(error.value)
+    assert message.startswith("torch_ref.ddp.run: rank 1 failed:")
+    assert "in _raise_on_rank_1" in message and "ValueError: rank 1 fails on purpose" in message
+    assert "-- rank 1's stderr (all lines) --\nrank 1 was here" in message
+    assert "rank 1 was here" in capfd.readouterr().err  # the ranks' stderr, copied here
+
+
+def test_a_rank_that_dies_without_an_exception_reports_its_stderr():
+    with pytest.raises(RuntimeError) as error:
+        ddp.run(2, _exit_on_rank_1, timeout_s=60)
+    message = str(error.value)
+    assert message.startswith(
+        "torch_ref.ddp.run: rank 1 died: process 1 terminated with exit code 3"
+    )
+    assert "-- rank 1's stderr (all lines) --\nrank 1 leaves without a word" in message
+    with pytest.raises(RuntimeError) as error:
+        ddp.run(2, _abort_on_rank_1, timeout_s=60)
+    message = str(error.value)
+    assert "rank 1 died: process 1 terminated with signal SIGABRT" in message
+    # faulthandler's stack of the crashed rank, in its stderr
+    assert "Fatal Python error: Aborted" in message and "in _abort_on_rank_1" in message
+
+
+def test_a_run_past_its_timeout_is_stopped_with_the_ranks_stacks():
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="did not finish within timeout_s=3"):
+    with pytest.raises(RuntimeError) as error:
         ddp.run(2, _sleep, 60.0, timeout_s=3)
-    # Killed at the deadline: 3 s plus process teardown, far below the 60 s sleep.
+    # Killed at the deadline: 3 s plus the stacks (1 s) and teardown, far below the 60 s sleep.
     assert time.monotonic() - start < 20
+    message = str(error.value)
+    assert message.startswith(
+        "torch_ref.ddp.run: ranks [0, 1] of 2 did not finish within timeout_s=3"
+    )
+    for rank in (0, 1):  # where each hung rank was: its Python stack, dumped on request
+        assert re.search(f"-- rank {rank}'s stderr .*\n(.*\n)*.* in _sleep", message), message
     assert ddp.run(2, _sleep, 0.0, timeout_s=60) == [0, 1]
+
+
+def _rendezvous_port_is_held(rank: int, world_size: int) -> bool:
+    """Whether binding the group's rendezvous port fails here (another socket holds it)."""
+    with socket.socket() as s:
+        try:
+            s.bind((ddp.HOST, int(os.environ["MASTER_PORT"])))
+        except OSError as error:
+            return error.errno == errno.EADDRINUSE
+    return False
+
+
+def test_no_other_job_can_take_the_rendezvous_port():
+    # The launcher binds the store's port (the OS picks it) before the ranks start and holds it
+    # to the end: a port picked, released and bound again later could be taken in between.
+    assert ddp.run(2, _rendezvous_port_is_held, timeout_s=60) == [True, True]
+
+
+def _add_rank(rank: int, world_size: int, tensor: torch.Tensor) -> torch.Tensor:
+    tensor += rank + 1  # in place: on shared memory the other rank would see it
+    torch.distributed.barrier()
+    return tensor
+
+
+def test_every_rank_gets_its_own_copy_of_the_arguments():
+    tensor = torch.zeros(3)
+    got = ddp.run(2, _add_rank, tensor, timeout_s=60)
+    assert [t.tolist() for t in got] == [[1.0] * 3, [2.0] * 3]  # integers: exact
+    assert tensor.tolist() == [0.0] * 3
+
+
+# A program that launches ranks, as a user writes it (the rank's fn: a torch_ref function).
+LAUNCHER = """
+from torch_ref import ddp
+if __name__ == "__mp_main__":  # multiprocessing imports the main module in every rank
+    raise RuntimeError("this program refuses to be imported in a rank")
+if __name__ == "__main__":
+    ddp.run(2, ddp.one_cpu_thread, timeout_s=60)
+"""
+
+
+def test_a_rank_that_dies_before_fn_is_explained(tmp_path):
+    # read from stdin: no file for the ranks to import; refused before any rank starts
+    stdin = subprocess.run(
+        [sys.executable, "-"], input=LAUNCHER, capture_output=True, text=True, timeout=120
+    )
+    assert "is not a file (a program read from stdin?)" in stdin.stderr, stdin.stderr
+    # from a file the ranks fail to import: they die in multiprocessing, before torch_ref's code
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    script = subprocess.run(
+        [sys.executable, str(tmp_path / "launcher.py")], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert "rank 0's stderr: none, it ended before torch_ref.ddp's code ran" in script.stderr
+    assert "RuntimeError: this program refuses to be imported in a rank" in script.stderr

@@ -1,0 +1,133 @@
+"""Two-rank launches on a busy machine: ``python -m torch_ref.stress`` (``make stress``).
+
+A user's CI is a busy machine. This starts ``--burners`` CPU burners (processes
+that spin, stopped by handle at the end), then runs ``--launches`` launches of
+two gloo ranks (`torch_ref.ddp.run`), cycling through `KINDS`:
+
+* ``ddp``: the reference loop (`torch_ref.train_update`, two updates of a tiny
+  LM under ``DistributedDataParallel``), the ranks' records checked equal;
+* ``hf_trainer``: `torch_ref.audit.audit_hf_trainer` on a tiny GPT-2 (verdict
+  ``exact`` checked);
+* ``trl``: `torch_ref.audit.audit_trl_grpo` (TRL's GRPOTrainer), the cuts
+  ``dr_grpo`` GA 2 and ``bnpo`` GA 1 in turn.
+
+It prints each death's error (the rank's traceback and every rank's last stderr
+lines), then the launches, deaths and wrong answers per kind, and exits with 1
+when there was any. Example: ``python -m torch_ref.stress --launches 6 --burners 2``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+import torch_ref
+from torch_ref import ddp
+
+KINDS = ("ddp", "hf_trainer", "trl")
+TRL_CUTS = (("dr_grpo", 2), ("bnpo", 1))  # (loss type, GA): the cuts issue 28 saw die
+
+
+def _reference_rank(rank: int, world_size: int) -> list[dict]:
+    """One rank: two reference updates of a tiny LM under DDP (ranks hold unequal tokens)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 32))
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(rank)
+    records = []
+    for _ in range(2):
+        ids = torch.randint(0, 32, (4, 6), generator=generator)
+        labels = ids.clone()
+        labels[0, 2 + rank :] = -100
+        window = [{"input_ids": ids[i : i + 2], "labels": labels[i : i + 2]} for i in (0, 2)]
+        records.append(torch_ref.train_update(wrapped, window, optimizer))
+    return records
+
+
+def _ddp(launch: int) -> None:
+    ranks = ddp.run(2, _reference_rank)
+    if ranks[0] != ranks[1]:
+        raise AssertionError(f"the ranks recorded different windows: {ranks}")
+
+
+def _hf_trainer(launch: int) -> None:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=32, n_positions=12, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 32, (8, 12))
+    labels = ids.clone()
+    labels[:, 0] = -100  # never a target of the shifted loss
+    labels[::2, :6] = -100  # rows of 11 and 6 targets
+    rows = [{"input_ids": ids[i], "labels": labels[i]} for i in range(8)]
+    report = torch_ref.audit.audit_hf_trainer(model, rows, k=2, world_size=2, progress=False)
+    if report.verdict != "exact":
+        raise AssertionError(f"the HF Trainer's verdict: {report.verdict}, expected exact")
+
+
+def _trl(launch: int) -> None:
+    loss_type, k = TRL_CUTS[(launch // len(KINDS)) % len(TRL_CUTS)]
+    torch_ref.audit.audit_trl_grpo(
+        loss_type, gradient_accumulation_steps=k, world_size=2, progress=False
+    )
+
+
+LAUNCHES = {"ddp": _ddp, "hf_trainer": _hf_trainer, "trl": _trl}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--launches", type=int, default=50, help="two-rank launches (50)")
+    parser.add_argument("--burners", type=int, default=2, help="CPU burners beside them (2)")
+    args = parser.parse_args(argv)
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burners)
+    ]
+    seconds, deaths, wrong = defaultdict(list), defaultdict(int), defaultdict(int)
+    try:
+        for launch in range(args.launches):
+            kind = KINDS[launch % len(KINDS)]
+            start = time.monotonic()
+            try:
+                LAUNCHES[kind](launch)
+                outcome = "ok"
+            except AssertionError as error:
+                wrong[kind] += 1
+                outcome = f"WRONG: {error}"
+            except RuntimeError as error:  # torch_ref.ddp.run's: a rank failed, died or hung
+                deaths[kind] += 1
+                outcome = f"DIED:\n{error}"
+            seconds[kind].append(time.monotonic() - start)
+            print(f"launch {launch + 1} {kind}: {seconds[kind][-1]:.1f} s, {outcome}", flush=True)
+    finally:
+        for burner in burners:  # our own two processes, by handle
+            burner.kill()
+            burner.wait()
+    for kind, times in seconds.items():
+        print(
+            f"{kind}: {len(times)} launches, {deaths[kind]} deaths, {wrong[kind]} wrong;"
+            f" {statistics.median(times):.1f} s median, {max(times):.1f} s max"
+        )
+    bad = sum(deaths.values()) + sum(wrong.values())
+    print(
+        f"total: {sum(map(len, seconds.values()))} launches beside {args.burners} burners,"
+        f" {sum(deaths.values())} deaths, {sum(wrong.values())} wrong"
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
