@@ -129,7 +129,7 @@ fuzz: $(STAMP)
 # TRL's GRPO audit) beside two CPU burners: launches, deaths and wrong answers per kind, a non-zero
 # exit on any, each death's error printed (about 20 minutes on 2 cores). Not in CI.
 stress: $(STAMP)
-	$(PY) -m torch_ref.stress --launches 50 --burners 2
+	$(PY) -m parity_tests.stress --launches 50 --burners 2
 
 clean:
 	rm -rf $(VENV) $(VENV_LATEST) $(VENV_TRAINERS) build *.egg-info

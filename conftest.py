@@ -35,7 +35,8 @@ NO_TORCH = "needs torch: no CPU build for this Python here (make test-latest run
 if importlib.util.find_spec("torch") is None:
     collect_ignore_glob += ["parity_tests/audits.py", "parity_tests/suite.py",
                             "parity_tests/run_torch.py", "parity_tests/torch_*.py",
-                            "parity_tests/trl_table.py", "parity_tests/trl_prediction.py"]  # fmt: skip
+                            "parity_tests/trl_table.py", "parity_tests/trl_prediction.py",
+                            "parity_tests/stress.py"]  # fmt: skip
 
 
 class _SkippedPackage(pytest.Directory):

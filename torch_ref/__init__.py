@@ -21,8 +21,8 @@ Modules::
     buggy.py        REFERENCE, VARIANTS: the bugs as data (_variant.py: Variant, a choice at
                     each decision point of the loop, and its hooks)
     _loss.py        causal_lm_loss_sum, count_items
-    ddp.py          ddp.run: torch.multiprocessing ranks on 127.0.0.1, bounded in time;
-                    one_cpu_thread
+    ddp.py          ddp.run: torch.multiprocessing ranks on 127.0.0.1, bounded in time, a
+                    failed rank's traceback and stderr in the error; one_cpu_thread
     audit.py        audit_window, audit_hf_trainer: how YOUR loop weighs each micro-batch and
                     rank (bigbatch's fit and report; the twin of jaxaccum.audit);
                     audit_invariance, audit_trl_grpo: is the update the same for every cut?

@@ -75,11 +75,11 @@ def _on_ranks(
 ) -> list[Any]:
     """``fn(rank, world_size, model, data, *args)`` on gloo ranks (`ddp.run`), each on its own copy.
 
-    ``model`` and ``data`` travel in a ``torch.save`` file: as arguments,
-    torch.multiprocessing would hand the ranks the tensors in SHARED memory, and
-    every rank would step the same parameters. ``environ``: variables each rank
-    sets before it loads them (the ranks fork from a server started earlier, with
-    the environment of that moment; loading a model may import what reads them).
+    ``model`` and ``data`` travel in a ``torch.save`` file that each rank loads
+    once it has set ``environ``: loading a model may import what reads those
+    variables, and the ranks fork from a server started earlier, with the
+    environment of that moment (``ddp.run`` unpickles its arguments before ``fn``
+    runs).
     """
     with tempfile.TemporaryDirectory(prefix="torch_ref_audit_") as folder:
         payload = os.path.join(folder, "model_and_data.pt")

@@ -1,4 +1,4 @@
-"""Two-rank launches on a busy machine: ``python -m torch_ref.stress`` (``make stress``).
+"""Two-rank launches on a busy machine: ``python -m parity_tests.stress`` (``make stress``).
 
 A user's CI is a busy machine. This starts ``--burners`` CPU burners (processes
 that spin, stopped by handle at the end), then runs ``--launches`` launches of
@@ -13,7 +13,7 @@ two gloo ranks (`torch_ref.ddp.run`), cycling through `KINDS`:
 
 It prints each death's error (the rank's traceback and every rank's last stderr
 lines), then the launches, deaths and wrong answers per kind, and exits with 1
-when there was any. Example: ``python -m torch_ref.stress --launches 6 --burners 2``.
+when there was any. Example: ``python -m parity_tests.stress --launches 6 --burners 2``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch_ref
 from torch_ref import ddp
 
 KINDS = ("ddp", "hf_trainer", "trl")
-TRL_CUTS = (("dr_grpo", 2), ("bnpo", 1))  # (loss type, GA): the cuts issue 28 saw die
+TRL_CUTS = (("dr_grpo", 2), ("bnpo", 1))  # (loss type, GA): the cuts once seen dying under load
 
 
 def _reference_rank(rank: int, world_size: int) -> list[dict]:
