@@ -70,8 +70,8 @@ def _hf_trainer(launch: int) -> None:
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 32, (8, 12))
     labels = ids.clone()
-    labels[:, 0] = -100  # never a target of the shifted loss
-    labels[::2, :6] = -100  # rows of 11 and 6 targets
+    for row, targets in enumerate((11, 2, 7, 4, 9, 1, 5, 8)):  # cells of unequal items
+        labels[row, : 12 - targets] = -100  # position 0 is never a target of the shifted loss
     rows = [{"input_ids": ids[i], "labels": labels[i]} for i in range(8)]
     report = torch_ref.audit.audit_hf_trainer(model, rows, k=2, world_size=2, progress=False)
     if report.verdict != "exact":
