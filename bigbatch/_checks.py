@@ -53,23 +53,24 @@ def check_window(*, k: object, num_devices: object, learning_rate: object, short
 
 
 def check_max_grad_norm(max_grad_norm: object) -> float | None:
-    """``max_grad_norm`` as a float, or None; raises unless it is None or a finite number > 0.
+    """``max_grad_norm`` as a float, or None; raises unless it is None or a number > 0
+    (``math.inf``: the loop does not clip).
 
     Example:
-      >>> check_max_grad_norm(1), check_max_grad_norm(None)
-      (1.0, None)
+      >>> check_max_grad_norm(1), check_max_grad_norm(None), check_max_grad_norm(float("inf"))
+      (1.0, None, inf)
     """
     if max_grad_norm is None:
         return None
     if (
         isinstance(max_grad_norm, bool)
         or not isinstance(max_grad_norm, numbers.Real)
-        or not np.isfinite(max_grad_norm)
+        or np.isnan(max_grad_norm)
         or max_grad_norm <= 0
     ):
         raise ValueError(
-            "max_grad_norm: expected None or the finite threshold > 0 your loop clips the window's"
-            f" gradient norm to, got {max_grad_norm!r}"
+            "max_grad_norm: expected None, the threshold > 0 your loop clips the window's"
+            f" gradient norm to, or math.inf if it does not clip; got {max_grad_norm!r}"
         )
     return float(max_grad_norm)
 

@@ -17,7 +17,7 @@ weights are then compared with each known form, as they are and clipped
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -103,13 +103,7 @@ def audit_update(
     rounding = params_rounding / (learning_rate * big_batch) if big_batch > 0 else math.inf
     check_precision(rounding, learning_rate)
     weights, residual = _fit(products, layout.items)
-    per_micro_batch = None  # clipped_per_micro_batch, where it can be told from the window's
-    if layout.k_window >= 2 and 0 < products.update_norm < math.inf:
-        per_micro_batch = micro_batch_clipped(weights, layout, products, forms)
-    with np.errstate(invalid="ignore"):
-        errors = {name: _form_error(weights, expected_weights(name, layout)) for name in forms}
-    if per_micro_batch is not None:
-        errors[CLIPPED_PER_MICRO_BATCH] = per_micro_batch.error
+    errors, per_micro_batch = _form_errors(weights, layout, products, forms)
     verdict = _verdict(weights, errors, forms, layout, products.update_norm, residual,
                        max_grad_norm, per_micro_batch)  # fmt: skip
     full = layout.items > 0
@@ -141,6 +135,19 @@ def audit_update(
     )
 
 
+def _form_errors(weights, layout, products, forms) -> tuple[dict[str, float], Any]:
+    """Each form's largest relative weight error against the fitted ``weights``, and the fit
+    of ``clipped_per_micro_batch`` (None where it cannot be told from the window's)."""
+    per_micro_batch = None
+    if layout.k_window >= 2 and 0 < products.update_norm < math.inf:
+        per_micro_batch = micro_batch_clipped(weights, layout, products, forms)
+    with np.errstate(invalid="ignore"):
+        errors = {name: _form_error(weights, expected_weights(name, layout)) for name in forms}
+    if per_micro_batch is not None:
+        errors[CLIPPED_PER_MICRO_BATCH] = per_micro_batch.error
+    return errors, per_micro_batch
+
+
 def _verdict(
     weights, errors, forms, layout, applied, residual, max_grad_norm, per_micro_batch
 ) -> _Verdict:
@@ -154,9 +161,8 @@ def _verdict(
         return _Verdict(UNKNOWN, ())
     unclipped = tuple(name for name in forms if errors[name] <= WEIGHT_RTOL)
     clipped = window_clipped(weights, layout, forms)
-    at_threshold = max_grad_norm is not None and abs(applied - max_grad_norm) <= (
-        CLIP_RTOL * max_grad_norm
-    )
+    clips = max_grad_norm is not None and math.isfinite(max_grad_norm)  # inf: it does not
+    at_threshold = clips and abs(applied - max_grad_norm) <= CLIP_RTOL * max_grad_norm
     if unclipped and not (at_threshold and clipped):
         return _Verdict(unclipped[0], unclipped, expected_weights(unclipped[0], layout))
     if clipped:

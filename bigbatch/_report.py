@@ -113,9 +113,16 @@ class AuditReport(WindowShape):
 
     @property
     def passed(self) -> bool:
-        """Whether the loop is the big-batch update (``verdict == "exact"``), clipped once or
-        not; with a ``max_grad_norm``, clipped to it where the window's norm is above it."""
-        return self.verdict == EXACT and self.clip_kept is not False
+        """Whether the loop is the big-batch update (``verdict == "exact"``), clipped once to
+        the ``max_grad_norm`` you passed where the window's norm is above it, or not clipped.
+
+        A window scaled by one factor ``s < 1`` reads ``exact``, clipped once, but passes
+        only with the threshold passed to the audit: without it a clip cannot be told from
+        a bug that weighs every item ``s`` times too little (a loss divided by ``k``
+        twice). ``max_grad_norm=math.inf`` says the loop does not clip at all.
+        """
+        unconfirmed = self.clipped_once and self.max_grad_norm is None
+        return self.verdict == EXACT and self.clip_kept is not False and not unconfirmed
 
     @property
     def clipped_once(self) -> bool:
@@ -153,7 +160,8 @@ class AuditReport(WindowShape):
 
     def summary(self) -> str:
         """One line: passed or not, the verdict, and the worst-weighed cell."""
-        status = "PASSED" if self.passed else "FAILED"
+        unconfirmed = self.verdict == EXACT and self.clipped_once and self.max_grad_norm is None
+        status = "PASSED" if self.passed else "NOT CONFIRMED" if unconfirmed else "FAILED"
         return f"{status}, {self.verdict}: {headline(self)}"
 
     def __repr__(self) -> str:

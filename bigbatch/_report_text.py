@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,11 +39,19 @@ def _extremes(report: AuditReport) -> list[tuple[int, int]]:
 
 
 def _threshold(report: AuditReport) -> str:
-    """``= the max_grad_norm you passed``, ``not the max_grad_norm 1 you passed``, or ``""``."""
+    """``= the max_grad_norm you passed``, ``not the max_grad_norm 1 you passed``, or what to
+    pass to tell a clip from a uniform scale."""
+    if report.max_grad_norm is None:
+        return (
+            f"or every item weighed {report.clip_scale:.4g}x: pass max_grad_norm= your clip"
+            " threshold, or math.inf if your loop does not clip, to tell"
+        )
     if report.clip_kept is None:
         return ""
     if report.clip_kept:
         return "= the max_grad_norm you passed"
+    if math.isinf(report.max_grad_norm):
+        return "but you said it does not clip (max_grad_norm=inf): every item weighed less"
     return f"not the max_grad_norm {report.max_grad_norm:g} you passed"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -131,7 +132,8 @@ def audit_hf_trainer(
             f"trainer_class: expected a subclass of transformers.Trainer, got {trainer_class!r}"
         )
     run = functools.partial(_trainer_run, settings, trainer_class, timeout_s)
-    max_grad_norm = settings["max_grad_norm"] or None  # the Trainer clips for a value > 0
+    # the Trainer clips for a value > 0; with 0 it does not: any uniform scale is then a bug
+    max_grad_norm = settings["max_grad_norm"] or math.inf
     return _audit(
         run, hf_causal_lm_loss_sum, model, batch, k=k, world_size=world_size,
         learning_rate=learning_rate, short_window=False,
