@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum import _sharding
+from jaxaccum._check_batch import ACCUMULATE, batch_split
 from jaxaccum._grad import batch_only_mesh, gather
 from jaxaccum._grad import value_and_grad as jaxaccum_value_and_grad
 from jaxaccum._normalize import normalize_window
@@ -61,6 +62,7 @@ def accumulate_gradients(
       (-4.0, 7.0)
     """
     placement = _sharding.placement(axis_name)
+    batch_split(microbatches, axis_name, ACCUMULATE)  # [k, rows, ...] leaves, rows split
     if placement is Placement.EXPLICIT and batch_only_mesh(axis_name):
         # under jit, every mesh axis a batch axis: the per-device scan in a shard_map
         def per_device(params, microbatches):

@@ -1,15 +1,19 @@
-"""``value_and_grad``'s inputs against the batch axis: the batch must be split over it.
+"""The batch against the batch axis: every leaf with one value per row must be split over it.
 
-With ``axis_name`` the loss runs per device, on the device's rows. A batch that
-is not split over the axis (a numpy batch or ``device_put(batch, P())`` under
-``jit``; ``in_specs=P()`` under ``shard_map``) hands every device the whole
-batch: each device computes the same loss, the window's items are counted once
-per device, and the compute is as many times larger. Nothing would fail: the
-update would still be right, by the symmetry of identical copies, while
-``window_items`` reads R times the truth. So it is refused.
+With ``axis_name`` the loss runs per device, on the device's rows. A batch, or
+one leaf of it, that is not split over the axis (a numpy batch or
+``device_put(batch, P())`` under ``jit``; ``in_specs=P()`` under ``shard_map``)
+hands every device all its rows: each device computes on them, the window's
+items are counted once per device, and the compute is as many times larger.
+Nothing would fail: with the whole batch replicated the update is still right,
+by the symmetry of identical copies, while ``window_items`` reads R times the
+truth; with one leaf replicated (a per-row count, a mask) the update is wrong
+too. So both are refused.
 """
 
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -19,50 +23,83 @@ from jaxaccum._sharding import AxisName, Placement
 from jaxaccum._streams import is_key
 
 
-def batch_split(args: tuple, axis_name: AxisName | None) -> None:
-    """Refuses arguments none of whose arrays is split over every batch axis.
+class Caller(NamedTuple):
+    """Who checks: its name, what its batch argument is called, the axis of a leaf that
+    counts rows, the fix under ``jit``, and the route for a batch every device holds whole."""
 
-    Under ``jit`` on an Explicit mesh the arrays' shardings tell; inside
-    ``shard_map`` the axes JAX tracks each value as varying over (not under
-    ``pmap``, which maps a leading axis, or with ``check_vma=False``). Scalars
-    and PRNG keys are not rows; with no array argument at all (a loss that
-    closes over its batch) there is nothing to tell.
+    name: str
+    argument: str
+    row_axis: int
+    put: str
+    whole: str
+
+
+VALUE_AND_GRAD = Caller(
+    "jaxaccum.value_and_grad", "args", 0, "jax.device_put(batch, P({}))",
+    "build multi_steps without axis_name and take the gradient with jax.value_and_grad",
+)  # fmt: skip
+ACCUMULATE = Caller(
+    "jaxaccum.accumulate_gradients", "microbatches", 1,
+    "jax.device_put(microbatches, P(None, {}))", "call accumulate_gradients without axis_name",
+)  # fmt: skip
+
+
+def batch_split(args: Any, axis_name: AxisName | None, caller: Caller = VALUE_AND_GRAD) -> None:
+    """Refuses a batch whose leaves with one value per row are not all split over the axes.
+
+    A leaf is split as its sharding says under ``jit`` on an Explicit mesh, or as
+    the axes JAX tracks it varying over inside ``shard_map`` (not under ``pmap``,
+    which maps a leading axis, or with ``check_vma=False``). A leaf not split over
+    every batch axis is refused when no leaf is, or when it has as many rows
+    (``caller.row_axis``) as a split leaf. Scalars and PRNG keys are not rows;
+    with no array argument (a loss that closes over its batch) nothing is told.
     """
-    if axis_name is None:
+    if axis_name is None or _devices(_sharding.axes(axis_name)) in (0, 1):
         return
-    rows = [
-        ("args" + jax.tree_util.keystr(path), x)
-        for path, x in jax.tree_util.tree_flatten_with_path(args)[0]
-        if np.ndim(x) >= 1 and not is_key(x)
-    ]
     where = _sharding.placement(axis_name)
-    if not rows or where is Placement.GLOBAL or _devices(axis_name) == 1:
+    if where is Placement.PER_DEVICE and not _varying_tracked(axis_name):
         return
-    if where is Placement.EXPLICIT:
-        found = {path: _sharding.spec_of(x) for path, x in rows}
-        split = set().union(*(_split_axes(spec) for spec in found.values()))
-    elif _varying_tracked(axis_name):
-        found = {path: sorted(_sharding.varying_axes(x)) for path, x in rows}
-        split = set().union(*(_sharding.varying_axes(x) for _, x in rows))
-    else:
+    if where not in (Placement.EXPLICIT, Placement.PER_DEVICE):
         return
-    missing = set(_sharding.axes(axis_name)) - split
-    if missing:
-        raise ValueError(_not_split(axis_name, sorted(missing), found, where))
+    leaves = [
+        (caller.argument + jax.tree_util.keystr(path), x)
+        for path, x in jax.tree_util.tree_flatten_with_path(args)[0]
+        if np.ndim(x) > caller.row_axis and not is_key(x)
+    ]
+    batch_axes = set(_sharding.axes(axis_name))
+    split = {path: _split_over(x, where) & batch_axes for path, x in leaves}
+    rows = {_rows(x, split[path], where, caller.row_axis) for path, x in leaves if split[path]}
+    unsplit = [path for path, x in leaves if split[path] != batch_axes]
+    if len(unsplit) == len(leaves) and leaves:
+        raise ValueError(_not_split(caller, axis_name, unsplit, split, where))
+    counts = {path: _rows(x, split[path], where, caller.row_axis) for path, x in leaves}
+    with_rows = [path for path in unsplit if counts[path] in rows]
+    if with_rows:
+        raise ValueError(_not_split(caller, axis_name, with_rows, split, where))
 
 
-def _devices(axis_name: AxisName) -> int:
-    """Devices along the batch axes in the mesh in context (1 when none is known)."""
+def _devices(axes: Any) -> int:
+    """Devices along mesh axes ``axes`` in the mesh in context; 0 when one is not known
+    (pmap, vmap lanes)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not set(_sharding.axes(axis_name)) <= set(mesh.axis_names):
-        return 0  # pmap or vmap lanes: not known here
-    return int(np.prod([mesh.shape[a] for a in _sharding.axes(axis_name)]))
+    if mesh.empty or not set(axes) <= set(mesh.axis_names):
+        return 0
+    return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def _split_axes(spec: jax.sharding.PartitionSpec) -> set[str]:
-    """The mesh axes that split some dimension of an array laid out by ``spec``."""
-    parts = [p for p in spec.partitions if p is not None]
+def _split_over(x: Any, where: Placement) -> set[str]:
+    """The mesh axes that split ``x`` (its sharding under jit; what it varies over per device)."""
+    if where is Placement.PER_DEVICE:
+        return set(_sharding.varying_axes(x))
+    parts = [p for p in _sharding.spec_of(x).partitions if p is not None]
     return {a for p in parts for a in (p if isinstance(p, tuple) else (p,))}
+
+
+def _rows(x: Any, split: set[str], where: Placement, row_axis: int) -> int:
+    """A leaf's number of rows over all devices: its shape's under jit; per device, its
+    block's rows times the devices it is split over."""
+    rows = int(np.shape(x)[row_axis])
+    return rows * _devices(sorted(split)) if where is Placement.PER_DEVICE and split else rows
 
 
 def _varying_tracked(axis_name: AxisName) -> bool:
@@ -74,22 +111,29 @@ def _varying_tracked(axis_name: AxisName) -> bool:
     return set(_sharding.axes(axis_name)) <= _sharding.varying_axes(index)
 
 
-def _not_split(axis_name, missing: list[str], found: dict, where: Placement) -> str:
-    devices = _devices(axis_name)
-    times = f"{devices} times" if devices else "once per device"
-    leaves = ", ".join(f"{path}: {layout}" for path, layout in list(found.items())[:4])
-    how, layout = (
-        ("jax.device_put(batch, P({}))", "their shardings")
-        if where is Placement.EXPLICIT
-        else ("in_specs=P({}) for the batch in jax.shard_map", "the axes they vary over")
+def _not_split(caller: Caller, axis_name, paths: list[str], split: dict, where) -> str:
+    batch_axes = _sharding.axes(axis_name)
+    axes = ", ".join(repr(a) for a in batch_axes)
+    layout = "split over" if where is Placement.EXPLICIT else "varying over"
+    leaves = ", ".join(f"{p} {layout} {sorted(split[p]) or 'nothing'}" for p in paths[:4])
+    fix = caller.put if where is Placement.EXPLICIT else "in_specs=P({}) for it in jax.shard_map"
+    whole = len(paths) == len(split)
+    consequence = (
+        f"Every device would run on all the batch's rows: the window's items would be counted"
+        f" {_devices(batch_axes)} times, the compute as many times larger"
+        if whole
+        else f"Every device would count all their rows ({_devices(batch_axes)} times in all):"
+        " the window's items and the update would be wrong"
     )
-    axes = ", ".join(repr(a) for a in _sharding.axes(axis_name))
     return (
-        f"jaxaccum.value_and_grad: the batch is not split over the batch axis"
-        f" {', '.join(map(repr, missing))} of axis_name={axis_name!r} ({layout}: {leaves}). Every device would run the loss on"
-        f" the whole batch: the window's items would be counted {times}, and the compute"
-        f" would be as many times larger. Split its rows over the axis: {how.format(axes)}."
-        " For a batch that every device holds whole, build multi_steps without axis_name and"
-        " take the gradient with jax.value_and_grad (GSPMD: its items are counted once, the"
-        " gradient reduced on every micro-step)."
+        f"{caller.name}: {'the batch is' if whole else 'leaves of the batch are'} not split"
+        f" over the batch axis {axes} of axis_name={axis_name!r} ({leaves}). {consequence}."
+        f" Split the rows over the axis: {fix.format(axes)}. "
+        + (
+            f"For a batch that every device holds whole, {caller.whole} (GSPMD: its items"
+            " counted once, the gradient reduced on every micro-step)."
+            if whole
+            else "A leaf that is not one value per row (a table every device needs whole) goes"
+            " outside the arguments: close over it."
+        )
     )

@@ -125,3 +125,33 @@ def test_nnx_refuses_a_batch_not_split():
             micro_step(model, optimizer, jax.device_put(make_batch(), P()))
         assert FIX in str(error.value)
         micro_step(model, optimizer, jax.device_put(make_batch(), P("data")))  # split: runs
+
+
+def test_plain_jit_refuses_one_leaf_not_split():
+    # x and the mask split, the per-row count left whole: each device would count all 8 rows
+    # of it (32 items for 8), a silent wrong update
+    def loss_with_counts(params, batch):
+        return jnp.sum(batch["m"] * (batch["x"] @ params["w"])[:, 0] ** 2), jnp.sum(batch["n"])
+
+    mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
+    with jax.set_mesh(mesh):
+        params = jax.device_put(make_params(), P())
+        batch = jax.device_put(make_batch(), P("data"))
+        batch["n"] = jax.device_put(np.ones(8, np.float32), P())
+        grad_fn = jax.jit(jaxaccum.value_and_grad(loss_with_counts, axis_name="data"))
+        with pytest.raises(ValueError, match="leaves of the batch are not split") as error:
+            grad_fn(params, batch)
+    assert "args[0]['n'] split over nothing" in str(error.value)
+    assert "args[0]['x']" not in str(error.value) and FIX in str(error.value)
+
+
+def test_accumulate_gradients_refuses_micro_batches_not_split():
+    mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
+    microbatches = jax.tree.map(lambda x: np.stack([x, x]), make_batch())  # [k=2, rows, ...]
+    with jax.set_mesh(mesh):
+        params = jax.device_put(make_params(), P())
+        step = jax.jit(lambda p, m: jaxaccum.accumulate_gradients(loss_fn, p, m, axis_name="data"))
+        with pytest.raises(ValueError, match="accumulate_gradients: the batch is not split"):
+            step(params, jax.device_put(microbatches, P()))
+        _, metrics = step(params, jax.device_put(microbatches, P(None, "data")))
+    assert float(metrics["window_items"]) == 2 * make_batch()["m"].sum()  # counted once
