@@ -13,7 +13,7 @@ weight it gives each micro-batch's tokens. Then the fix, three lines of a user's
 
 1. the loss returns ``(loss_sum, num_items)`` (``jaxaccum.losses.causal_lm``);
 2. ``ExactPeftTrainer`` instead of ``PeftTrainer`` (``jax_trainers/tunix_fix.py``: a subclass
-   of two methods, printed below: Tunix has no hook that hands the optimizer the items);
+   of three methods, printed below: Tunix has no hook that hands the optimizer the items);
 3. ``trainer.with_loss_fn(summed_loss)``.
 
 Needs Tunix (``make jax-trainers`` installs it in ``.venv-jax-trainers``):

@@ -7,6 +7,7 @@ Not part of the wheel, and needs the trainers' own environment (``.venv-jax-trai
 * `jax_trainers.tunix_sft`: Tunix's ``PeftTrainer`` under ``jaxaccum.audit.audit_window``;
 * `jax_trainers.tunix_fix`: ``ExactPeftTrainer``, the fix without forking Tunix;
 * `jax_trainers.tunix_grpo`: Tunix's ``GRPOLearner`` under ``audit_invariance``;
+* `jax_trainers.tunix_grpo_fix`: ``ExactRLCluster``, its fix without forking Tunix;
 * `jax_trainers.maxtext_step`: MaxText's pre-training step, native GA and the Tunix flag;
 * `jax_trainers.maxtext_sft`: MaxText's SFT trainer on Tunix 0.1.7 with GA > 1 (it fails);
 * `jax_trainers.table`: all of them, the record ``docs/jax-trainers.json``, the docs' table.

@@ -1,7 +1,8 @@
 """Every audited configuration of the JAX trainers: the run, its record, the docs' table.
 
 `run_all` audits Tunix's ``PeftTrainer`` (as shipped and with `ExactPeftTrainer`), Tunix's
-``GRPOLearner`` (each ``loss_agg_mode``, with and without empty completions), MaxText's
+``GRPOLearner`` (each ``loss_agg_mode``, with and without empty completions, as shipped and
+on `ExactRLCluster`), MaxText's
 pre-training step (native GA and the Tunix flag, in a process per device count) and
 MaxText's SFT trainer; `EXPECTED` is each verdict as the trainers' code predicts it.
 ``docs/jax-trainers.json`` keeps a run (`record`, ``python -m jax_trainers --write``);
@@ -36,6 +37,12 @@ GRPO_MODES = (
 )  # fmt: skip
 """Every ``loss_agg_mode`` of Tunix 0.1.7 (``tunix/rl/common.py:533-596``)."""
 GRPO_EMPTY = ("with empty completions", "no empty completion")
+GRPO_BIG_BATCH_CUT = (2, 2)
+"""``(k, R)`` of the window audit of the GRPO fix's ``token-mean`` against the token big batch."""
+GRPO_BIG_BATCH = (
+    f"loss_agg_mode=token-mean, {GRPO_EMPTY[0]}, k={GRPO_BIG_BATCH_CUT[0]} x"
+    f" R={GRPO_BIG_BATCH_CUT[1]} against the token big batch"
+)
 EXPECTED = {
     ("Tunix PeftTrainer", "as shipped"): {
         "gradient_accumulation_steps=1, 2 device(s)": "exact",
@@ -53,6 +60,10 @@ EXPECTED = {
         for mode, empty, verdict in [(m, GRPO_EMPTY[0], "depends on the cut") for m in GRPO_MODES]
         + [(m, GRPO_EMPTY[1], "invariant") for m in GRPO_MODES[1:]]
     },  # fmt: skip
+    ("Tunix GRPOLearner", "ExactRLCluster"): {
+        **{f"loss_agg_mode={m}, {e}": "invariant" for e in GRPO_EMPTY for m in GRPO_MODES},
+        GRPO_BIG_BATCH: "exact",
+    },
     ("MaxText pre-train step", "as shipped"): {
         f"gradient_accumulation_steps=4, use_tunix_gradient_accumulation={flag}, {r} device(s)": v
         for flag, r, v in [

@@ -55,10 +55,11 @@ def test_each_verdict_is_the_one_the_trainers_code_predicts(fresh):
     assert not wrong, "\n".join(wrong)
 
 
-def test_every_fix_is_the_big_batch(fresh):
+def test_every_fix_is_the_big_batch_or_its_one_batch_update(fresh):
+    # exact (the window audit), or invariant (GRPO's: every cut gives the one-batch update)
     for row in fresh:
         if row.route != "as shipped":
-            assert row.verdict == "exact" and row.error <= NOISE, row
+            assert row.verdict in ("exact", "invariant") and row.error <= NOISE, row
             assert all(w is None or abs(w - 1) <= WEIGHT_RTOL for w in row.weights), row
 
 
@@ -88,3 +89,86 @@ def test_the_recorded_lesson_output_is_a_fresh_run():
     # the site shows lesson 11's recorded output where Tunix is not installed
     fresh = same_but_rounding(table.lesson_output())
     assert fresh == same_but_rounding(table.recorded_lesson_output())
+
+
+LOSS_RTOL = 1e-6
+"""A mean against the sum it divides, times its items, divided again: float32 rounding."""
+
+
+def test_the_sft_fix_logs_each_eval_batch_s_mean():
+    # ExactPeftTrainer's eval step: the summed loss over its items, Tunix's default token mean
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from tunix.sft import peft_trainer
+
+    from jax_trainers import rows, tunix_fix, tunix_sft
+    from testkit import standard_numerics
+
+    graphdef, params, rest = tunix_sft.model_parts()
+    model = nnx.merge(graphdef, params, rest)
+    batch = rows.skewed_rows()
+    example = {"input_tokens": jnp.asarray(batch["input_tokens"])}
+    example["input_mask"] = jnp.asarray(batch["labels"] != -100)
+    config = peft_trainer.TrainingConfig(eval_every_n_steps=1, gradient_accumulation_steps=2)
+    with standard_numerics():  # Tunix's code
+        shipped = peft_trainer.PeftTrainer(model, optax.sgd(1.0), config)
+        fixed = tunix_fix.ExactPeftTrainer(model, optax.sgd(1.0), config)
+        fixed.with_loss_fn(tunix_sft.summed_loss)
+        loss, _ = shipped.with_gen_model_input_fn(tunix_sft.gen_model_input_fn)._eval_step(
+            model, example
+        )
+        fixed_loss, _ = fixed.with_gen_model_input_fn(tunix_sft.gen_model_input_fn)._eval_step(
+            model, example
+        )
+    assert math.isclose(float(fixed_loss), float(loss), rel_tol=LOSS_RTOL)
+
+
+def grpo_example(rows: dict):
+    """The rows as one ``TrainExample`` of ``GRPOLearner`` (rewards -> advantages, no ratio)."""
+    import jax.numpy as jnp
+    from tunix.rl import algo_core
+    from tunix.rl.grpo import grpo_learner
+
+    from jax_trainers import tunix_grpo as grpo
+
+    completions = jnp.asarray(rows["completion_ids"].reshape(-1, grpo.MAX_COMPLETION))
+    prompts = jnp.repeat(jnp.asarray(rows["prompt_ids"]), grpo.GENERATIONS, axis=0)
+    rewards = rows["rewards"].reshape(-1)
+    return grpo_learner.TrainExample(
+        prompt_ids=prompts, prompt_mask=prompts != grpo.PAD_ID, completion_ids=completions,
+        completion_mask=completions != grpo.PAD_ID, ref_per_token_logps=None,
+        advantages=jnp.asarray(algo_core.compute_advantages(rewards, grpo.GENERATIONS)),
+        old_per_token_logps=None,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", table.GRPO_MODES)
+def test_the_grpo_fix_hands_the_optimizer_tunix_s_loss_as_its_sum_and_items(mode):
+    # ExactRLCluster puts ExactGRPOTrainer in place; its loss is Tunix's policy loss times the
+    # items Tunix divided it by (tokens for token-mean, non-empty completions otherwise), and
+    # its eval step logs Tunix's loss and aux
+    import optax
+    from tunix.rl import function_registry
+
+    from jax_trainers import tunix_grpo as grpo
+    from jax_trainers import tunix_grpo_fix, tunix_sft
+    from testkit import standard_numerics
+
+    rows = grpo.groups(empty=True)
+    mesh, model = tunix_sft.on_mesh(tunix_sft.model_parts()[1], 1)
+    with standard_numerics(), tunix_sft.mesh_warning_ignored(), mesh:
+        run = grpo.learner(model, optax.sgd(1.0), rows, mesh, mode=mode, prompts=8, k=2, fixed=True)
+        trainer, example = run.rl_cluster.actor_trainer, grpo_example(rows)
+        assert isinstance(trainer, tunix_grpo_fix.ExactGRPOTrainer)
+        loss, aux = function_registry.get_policy_loss_fn("grpo")(
+            model, example, algo_config=run.algo_config, pad_id=grpo.PAD_ID, eos_id=grpo.EOS_ID
+        )
+        loss_sum, (num_items, _) = trainer.loss_fn(model, example, run.algo_config)
+        eval_loss, eval_aux = trainer._eval_step(model, example)
+    tokens = (rows["completion_ids"] != grpo.PAD_ID).sum(-1).ravel()
+    expected_items = tokens.sum() if mode == "token-mean" else (tokens > 0).sum()
+    assert float(num_items) == expected_items
+    assert math.isclose(float(loss_sum) / float(num_items), float(loss), rel_tol=LOSS_RTOL)
+    assert math.isclose(float(eval_loss), float(loss), rel_tol=LOSS_RTOL)
+    assert float(eval_aux["pg_clipfrac"]) == float(aux["pg_clipfrac"])

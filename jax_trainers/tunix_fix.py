@@ -7,12 +7,12 @@ micro-batch's summed loss and its number of items at ``optimizer.update``; the t
 calls ``optimizer.update(model, grads)`` with the gradient alone (``peft_trainer.py:354``),
 and no hook passes anything else: ``with_loss_fn(..., has_aux=True)`` returns the aux to the
 loop, not to the optimizer. The missing hook is the step's call of the optimizer, so the fix
-is a subclass of two methods: :class:`ExactPeftTrainer`.
+is a subclass of its steps: :class:`ExactPeftTrainer`.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 from typing import Any
 
 import jax.numpy as jnp
@@ -26,7 +26,8 @@ import jaxaccum
 class ExactPeftTrainer(peft_trainer.PeftTrainer):
     """``PeftTrainer`` accumulating with ``jaxaccum.multi_steps``: sums, divided once per window.
 
-    Use it as ``PeftTrainer``, with a loss that returns ``(loss_sum, num_items)``
+    Use it as ``PeftTrainer``, with a loss that returns ``(loss_sum, num_items)``, or
+    ``(loss_sum, (num_items, aux))`` to hand the loop an ``aux`` as ``has_aux=True`` does
     (``with_loss_fn(loss_fn)``, e.g. ``jaxaccum.losses.causal_lm`` of the logits):
 
         trainer = ExactPeftTrainer(model, optax.adamw(1e-4), config).with_loss_fn(loss_fn)
@@ -34,11 +35,14 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
     ``gradient_accumulation_steps`` keeps its meaning (the loop counts an update every
     ``k`` micro-batches); the optimizer is ``jaxaccum.multi_steps(optimizer, k)`` instead of
     ``optax.MultiSteps``, and Tunix restores its state from a checkpoint as it does its own.
+    The loss the loop logs (training and eval) is each batch's mean, ``loss_sum / num_items``.
     """
 
     def __init__(self, model, optimizer, training_config, **kwargs):
         k = training_config.gradient_accumulation_steps or 1
-        without_multisteps = dataclasses.replace(training_config, gradient_accumulation_steps=None)
+        # a copy, not dataclasses.replace: RL's config derives k again (rl_cluster.py:140-142)
+        without_multisteps = copy.copy(training_config)
+        without_multisteps.gradient_accumulation_steps = None
         super().__init__(model, jaxaccum.multi_steps(optimizer, k), without_multisteps, **kwargs)
         self.config = training_config  # the loop closes an update every k micro-batches
         self._iter_steps = self._train_steps * k  # as PeftTrainer counts them after a restore
@@ -48,6 +52,18 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
         inputs = self.gen_model_input_fn(inputs)
         wrt = nnx.DiffState(0, nnx.LoRAParam) if self._lora_enabled else 0
         grad_fn = nnx.value_and_grad(self.loss_fn, argnums=wrt, has_aux=True)
-        (loss_sum, num_items), grads = grad_fn(model, **inputs)
+        (loss_sum, items_and_aux), grads = grad_fn(model, **inputs)
+        num_items, aux = _items_and_aux(items_and_aux)
         optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
-        return loss_sum / jnp.maximum(num_items, 1), None, optax.global_norm(grads)
+        return loss_sum / jnp.maximum(num_items, 1), aux, optax.global_norm(grads)
+
+    def _eval_step(self, model: nnx.Module, inputs: Any):
+        """One eval batch: its mean loss, and the loss's aux."""
+        loss_sum, items_and_aux = self.eval_loss_fn(model, **self.gen_model_input_fn(inputs))
+        num_items, aux = _items_and_aux(items_and_aux)
+        return loss_sum / jnp.maximum(num_items, 1), aux
+
+
+def _items_and_aux(items_and_aux) -> tuple[Any, Any]:
+    """``(num_items, aux)`` from what the loss returns beside its sum: ``num_items`` or both."""
+    return items_and_aux if isinstance(items_and_aux, tuple) else (items_and_aux, None)

@@ -1,4 +1,4 @@
-"""Tunix's ``GRPOLearner`` as it ships, one update cut several ways: ``audit_invariance``.
+"""Tunix's ``GRPOLearner`` as it ships and with the fix, one update cut several ways.
 
 The learner runs whole (``RLCluster``, the actor's ``rl.Trainer`` with its ``optax.MultiSteps``,
 group-relative advantages from rewards, the ``grpo`` policy loss and its
@@ -8,10 +8,14 @@ group-relative advantages from rewards, the ``grpo`` policy loss and its
 ``torch_ref.audit.audit_trl_grpo``. Each audited row is one prompt's group of
 `GENERATIONS` completions, of the skewed lengths of `jax_trainers.rows` (some empty);
 ``beta=0`` (no reference model) and ``num_iterations=1``: the importance ratio is 1, and
-the update is SGD on the policy term alone.
+the update is SGD on the policy term alone. ``jaxaccum.audit.audit_invariance`` compares
+every cut with the one-batch run; for the fix's ``token-mean``, ``audit_window`` compares the
+update with the token big batch too.
 
     report = audit("token-mean")                  # depends on the cut: a token mean per micro-batch
     report = audit("sequence-mean-token-mean", empty=False)   # invariant without empty completions
+    report = audit("token-mean", fixed=True)      # ExactRLCluster (jax_trainers.tunix_grpo_fix)
+    report = audit_token_big_batch()              # the fix's token-mean: exact
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from tunix.rl.rollout import base_rollout
 import jaxaccum
 from jax_trainers import rows as rows_lib
 from jax_trainers import tunix_sft
-from jax_trainers.table import GRPO_EMPTY, GRPO_MODES
+from jax_trainers.table import GRPO_BIG_BATCH, GRPO_BIG_BATCH_CUT, GRPO_EMPTY, GRPO_MODES
+from jax_trainers.tunix_grpo_fix import ExactRLCluster, loss_items
 from testkit import standard_numerics
 
 MODES = GRPO_MODES
@@ -135,8 +140,9 @@ def reward_of(rows: dict):
     return reward_fn
 
 
-def learner(model, optimizer, rows, mesh, *, mode: str, prompts: int, k: int):
-    """``GRPOLearner`` of one update: ``prompts`` per update in ``k`` micro-batches."""
+def learner(model, optimizer, rows, mesh, *, mode: str, prompts: int, k: int, fixed: bool):
+    """``GRPOLearner`` of one update: ``prompts`` per update in ``k`` micro-batches; on an
+    ``ExactRLCluster`` with ``fixed``."""
     config = rl_cluster.ClusterConfig(
         role_to_mesh={role: mesh for role in rl_cluster.Role},
         rollout_engine=functools.partial(FixedRollout, rows=rows),
@@ -148,19 +154,23 @@ def learner(model, optimizer, rows, mesh, *, mode: str, prompts: int, k: int):
             max_tokens_to_generate=MAX_COMPLETION, max_prompt_length=PROMPT_LEN, temperature=1.0
         ),
     )  # fmt: skip
-    cluster = rl_cluster.RLCluster(actor=model, tokenizer=_Words(), cluster_config=config)
+    cluster_class = ExactRLCluster if fixed else rl_cluster.RLCluster
+    cluster = cluster_class(actor=model, tokenizer=_Words(), cluster_config=config)
     algorithm = grpo_learner.GRPOConfig(
         num_generations=GENERATIONS, num_iterations=1, beta=0.0, loss_agg_mode=mode
     )
     return grpo_learner.GRPOLearner(cluster, algorithm, reward_fns=reward_of(rows))
 
 
-def train_one_update(params, microbatches, optimizer, *, num_devices: int, mode: str, rows):
+def train_one_update(params, microbatches, optimizer, *, num_devices: int, mode, rows, fixed):
     """``GRPOLearner`` on a fresh model from ``params``: the prompts of ``microbatches`` (in
     order) as one update of ``len(microbatches)`` micro-batches; the new parameters."""
     mesh, model = tunix_sft.on_mesh(params, num_devices)
     order = np.concatenate([mb["group"] for mb in microbatches])
-    run = learner(model, optimizer, rows, mesh, mode=mode, prompts=order.size, k=len(microbatches))
+    run = learner(
+        model, optimizer, rows, mesh, mode=mode, prompts=order.size, k=len(microbatches),
+        fixed=fixed,
+    )  # fmt: skip
     with standard_numerics(), tunix_sft.mesh_warning_ignored():
         run.train([{"prompts": np.array([f"p{g}" for g in order])}])  # an array: a pytree leaf
     return jax.device_get(nnx.state(model, nnx.Param).to_pure_dict())
@@ -195,40 +205,73 @@ def reference_loss(params, batch, *, mode: str):
     mask = (completions != PAD_ID).astype(jnp.float32)
     tokens = mask.sum(-1)
     per_sequence = -advantages * (logps * mask).sum(-1) * sequence_weights(mode, tokens)
-    items = tokens.sum() if mode == "token-mean" else (tokens > 0).sum().astype(jnp.float32)
-    return per_sequence.sum(), items
+    return per_sequence.sum(), loss_items(mode, mask)
 
 
-def audit(mode: str, *, empty: bool = True, cuts=CUTS, progress: bool = False):
-    """``jaxaccum.audit.audit_invariance`` of one ``GRPOLearner`` update with ``loss_agg_mode``."""
-    _, params, _ = tunix_sft.model_parts()
-    rows = groups(empty=empty)
+def window_fn_of(mode: str, rows: dict, *, fixed: bool):
+    """The audits' ``window_fn``: one ``GRPOLearner`` update (on ``ExactRLCluster`` with ``fixed``)."""
 
     def window_fn(params, microbatches, optimizer, *, num_devices=1):
         return train_one_update(
-            params, microbatches, optimizer, num_devices=num_devices, mode=mode, rows=rows
-        )
+            params, microbatches, optimizer, num_devices=num_devices, mode=mode, rows=rows,
+            fixed=fixed,
+        )  # fmt: skip
 
+    return window_fn
+
+
+def audit(mode: str, *, empty: bool = True, fixed: bool = False, cuts=CUTS, progress=False):
+    """``jaxaccum.audit.audit_invariance`` of one ``GRPOLearner`` update with ``loss_agg_mode``."""
+    _, params, _ = tunix_sft.model_parts()
+    rows = groups(empty=empty)
     return jaxaccum.audit.audit_invariance(
-        window_fn, params, rows, cuts=cuts, loss_fn=functools.partial(reference_loss, mode=mode),
+        window_fn_of(mode, rows, fixed=fixed), params, rows, cuts=cuts,
+        loss_fn=functools.partial(reference_loss, mode=mode),
         learning_rate=rows_lib.LEARNING_RATE, progress=progress,
     )  # fmt: skip
 
 
+def audit_token_big_batch(*, fixed: bool = True, progress: bool = False):
+    """``jaxaccum.audit.audit_window`` of one ``token-mean`` update against the token big batch
+    (the policy term's token sum over the window's completion tokens), on rows with empty
+    completions, cut ``table.GRPO_BIG_BATCH_CUT``."""
+    _, params, _ = tunix_sft.model_parts()
+    rows = groups(empty=True)
+    k, devices = GRPO_BIG_BATCH_CUT
+    window_fn = functools.partial(
+        window_fn_of("token-mean", rows, fixed=fixed), num_devices=devices
+    )
+    return jaxaccum.audit.audit_window(
+        window_fn, functools.partial(reference_loss, mode="token-mean"), params, rows, k=k,
+        num_devices=devices, learning_rate=rows_lib.LEARNING_RATE, progress=progress,
+    )  # fmt: skip
+
+
 EMPTY = dict(zip((True, False), GRPO_EMPTY, strict=True))
+SHIPPED = [(mode, True) for mode in MODES] + [(mode, False) for mode in MODES[1:]]
+"""``(loss_agg_mode, empty)`` audited as shipped (``token-mean`` depends on the cut in both)."""
+FIXED = [(mode, empty) for empty in (True, False) for mode in MODES]
+"""... and with ``ExactRLCluster``: every mode, with and without empty completions."""
+ROUTES = {False: "as shipped", True: "ExactRLCluster"}
 
 
 def measured() -> list[rows_lib.Measured]:
-    """The table's rows of ``GRPOLearner``: every mode on rows with empty completions, and the
-    modes that count sequences on rows without (``token-mean`` depends on the cut in both)."""
-    cases = [(mode, True) for mode in MODES] + [(mode, False) for mode in MODES[1:]]
-    return [
+    """The table's rows of ``GRPOLearner``: as shipped, then ``ExactRLCluster``, then the fix's
+    ``token-mean`` against the token big batch (`audit_token_big_batch`)."""
+    names = dict(trainer="Tunix GRPOLearner", version=tunix_sft.VERSION)
+    rows = [
         rows_lib.Measured.of_invariance(
-            audit(mode, empty=empty),
-            trainer="Tunix GRPOLearner",
-            version=tunix_sft.VERSION,
+            audit(mode, empty=empty, fixed=fixed),
             config=f"loss_agg_mode={mode}, {EMPTY[empty]}",
-            route="as shipped",
+            route=ROUTES[fixed],
+            **names,
         )  # fmt: skip
+        for fixed, cases in ((False, SHIPPED), (True, FIXED))
         for mode, empty in cases
     ]
+    rows.append(
+        rows_lib.Measured.of_window(
+            audit_token_big_batch(), config=GRPO_BIG_BATCH, route=ROUTES[True], **names
+        )
+    )
+    return rows
