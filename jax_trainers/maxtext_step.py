@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import pathlib
 import sys
@@ -154,7 +155,7 @@ def reference_loss(params: dict, batch: dict, *, run: Step):
 
 def audit(k: int, devices: int, route: str, clip: float = 0.0):
     """``jaxaccum.audit.audit_window`` of one MaxText step (``route``: native or tunix), told
-    MaxText's clipping threshold (``clip``, 0: none)."""
+    MaxText's clipping threshold (``clip``; 0: it does not clip, told as ``math.inf``)."""
     import jax
 
     import jaxaccum
@@ -167,7 +168,7 @@ def audit(k: int, devices: int, route: str, clip: float = 0.0):
         return jaxaccum.audit.audit_window(
             window_fn, functools.partial(reference_loss, run=run), params,
             rows_lib.skewed_rows(), k=k, num_devices=devices,
-            learning_rate=rows_lib.LEARNING_RATE, max_grad_norm=clip or None, progress=False,
+            learning_rate=rows_lib.LEARNING_RATE, max_grad_norm=clip or math.inf, progress=False,
         )  # fmt: skip
 
 
