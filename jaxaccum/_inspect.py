@@ -11,10 +11,12 @@ closed to a logger, as plain numbers, without waiting on any step.
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxaccum._state import MultiStepsState, WindowMetrics
 
@@ -88,12 +90,16 @@ class WindowLog:
     """The records of closed windows for a logger, read without a host sync per step.
 
     ``bool(has_updated(state))`` after every micro-step waits for that step to
-    finish, which stalls JAX's asynchronous dispatch. :meth:`add` keeps the
-    last window's record (a few scalars, their copy to the host started) and
-    returns, as plain numbers (:meth:`WindowMetrics.to_python`), the records
-    of windows that closed since the last one returned and that are ready
-    now: it never waits. Each closed window is returned once, applied or
-    skipped (it moves ``update_id`` or ``skip_count``).
+    finish, which stalls JAX's asynchronous dispatch. Call :meth:`add` after
+    every micro-step: it keeps a copy of the state's window record (a few
+    scalars, copied on the device, so a step that donates the state may run on;
+    their copy to the host started) and returns, as plain numbers
+    (:meth:`WindowMetrics.to_python`), the records of the windows closed by the
+    calls it was given whose copies are ready: it never waits. Each closed
+    window is returned once, applied or skipped; after a resume the window
+    closed before the checkpoint is not returned again. A window that closed
+    between two calls of :meth:`add` (it was not called after every micro-step)
+    cannot be returned: a warning says how many.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxaccum
@@ -109,27 +115,45 @@ class WindowLog:
     """
 
     def __init__(self) -> None:
-        self._pending: collections.deque[WindowMetrics] = collections.deque()
-        self._last = (0, 0)  # (update_id, skip_count) of the last window returned
+        self._pending: collections.deque[tuple[WindowMetrics, jax.Array]] = collections.deque()
+        self._closed: int | None = None  # windows closed (applied or skipped) when last seen
 
     def add(self, opt_state: Any) -> list[dict[str, float | int | bool]]:
-        """Keeps this state's record; returns the new closed windows' records that are ready."""
-        record = window_metrics(opt_state)
-        for x in record:
+        """Keeps a copy of this state's record; returns the closed windows' records that are
+        ready (those closed by the calls given to ``add``)."""
+        state = _find_state(opt_state, "WindowLog.add")
+        kept = _copied((window_metrics(opt_state), _array(state.micro_step)))
+        for x in jax.tree.leaves(kept):
             x.copy_to_host_async()
-        self._pending.append(record)
+        self._pending.append(kept)
         return self._ready(wait=False)
 
     def flush(self) -> list[dict[str, float | int | bool]]:
-        """Waits for every record kept; returns the new closed windows' records."""
+        """Waits for every record kept; returns the closed windows' records."""
         return self._ready(wait=True)
 
     def _ready(self, wait: bool) -> list[dict[str, float | int | bool]]:
         out = []
-        while self._pending and (wait or all(x.is_ready() for x in self._pending[0])):
-            record = self._pending.popleft().to_python()
-            closed = (record["update_id"], record["skip_count"])
-            if closed != self._last:
-                self._last = closed
+        while self._pending and (
+            wait or all(x.is_ready() for x in jax.tree.leaves(self._pending[0]))
+        ):
+            metrics, micro_step = self._pending.popleft()
+            record = metrics.to_python()
+            closed = record["update_id"] + record["skip_count"]
+            if self._closed is not None and closed > self._closed + 1:
+                warnings.warn(
+                    f"WindowLog: {closed - self._closed - 1} window(s) closed between two calls"
+                    " of add and are not in the log: call add after every micro-step",
+                    stacklevel=3,
+                )
+            closed_here = record["micro_step"] == int(np.asarray(micro_step))
+            if closed_here and (self._closed is None or closed > self._closed):
                 out.append(record)
+            self._closed = closed
         return out
+
+
+@jax.jit
+def _copied(tree: Any) -> Any:
+    """Device copies of a few scalars: a later step that donates the state leaves them be."""
+    return jax.tree.map(jnp.copy, tree)

@@ -69,8 +69,11 @@ _PYTHON_TYPE = dict(micro_step=int, update_id=int, skip_count=int, skip_reason=i
 
 
 def _one_copy(x: Any) -> Any:
-    """A replicated value's copy on this process's first device (multi-host too)."""
-    return x.addressable_data(0) if isinstance(x, jax.Array) else x
+    """A replicated value as this process can read it: itself, or (several hosts) its copy on
+    this process's first device."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return x.addressable_data(0)
+    return x
 
 
 class MultiStepsState(NamedTuple):
