@@ -10,15 +10,15 @@ about its learning rate.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
-from jaxaccum._normalize import clip_by_global_norm
+import bigbatch
 
 BIG_BATCH_RTOL = 1e-4
 """The default tolerance on the relative difference, for float32 parameters and gradients:
@@ -89,11 +89,16 @@ def check_big_batch(
       loss_fn: ``loss_fn(params, batch) -> (loss_sum, num_items)``, a SUM over the
         batch's items and their number.
       params: the parameters the window started from.
-      microbatches: the window's micro-batches, each with every device's rows
-        (a leading row axis); they are concatenated into one batch.
+      microbatches: the window's micro-batches, each with every device's rows:
+        ``loss_fn`` runs on each (one at a time in memory), their gradients are
+        added in float64 and divided once by the window's items.
       learning_rate: the SGD learning rate of your run.
-      max_grad_norm: your clip threshold, or ``None``.
+      max_grad_norm: your clip threshold, or ``None`` (no clip).
       rtol: the tolerance (:data:`BIG_BATCH_RTOL`, for float32).
+
+    Raises:
+      ValueError: an argument out of its range (each error names it), a window
+        without items, or an update not shaped like ``params``.
 
     Returns:
       A :class:`BigBatchCheck`; ``print`` it for one line.
@@ -109,37 +114,57 @@ def check_big_batch(
       >>> check.passed, float(check.big_batch_update["w"]), round(check.scale, 3)
       (False, 4.0, 1.5)
     """
-    if not microbatches:
-        raise ValueError("microbatches: expected the window's micro-batches, got none")
-    window = jax.tree.map(lambda *rows: jnp.concatenate([jnp.asarray(r) for r in rows]),
-                          *microbatches)  # fmt: skip
-    big, window_items, grad_norm = _big_batch_update(loss_fn, params, window, learning_rate,
-                                                     max_grad_norm)  # fmt: skip
+    _check(microbatches, learning_rate, rtol)
+    max_grad_norm = bigbatch.check_max_grad_norm(max_grad_norm)
+    big, window_items, grad_norm = _big_batch_update(
+        loss_fn, params, microbatches, learning_rate, max_grad_norm
+    )
     if jax.tree.structure(update) != jax.tree.structure(big):
         raise ValueError(
             "update: expected a pytree like params (your window's new minus old parameters);"
             f" got {jax.tree.structure(update)}, params are {jax.tree.structure(big)}"
         )
-    ours = [np.asarray(u, np.float64).ravel() for u in jax.tree.leaves(update)]
-    theirs = [np.asarray(b, np.float64).ravel() for b in jax.tree.leaves(big)]
-    ours, theirs = np.concatenate(ours), np.concatenate(theirs)
+    ours = np.concatenate([np.asarray(u, np.float64).ravel() for u in jax.tree.leaves(update)])
+    theirs = np.concatenate([b.ravel() for b in jax.tree.leaves(big)])
     reference = float(np.linalg.norm(theirs))
     if reference == 0.0:
-        raise ValueError("the big batch's update is zero (no item, or a zero gradient)")
+        raise ValueError(
+            "loss_fn: the big batch's gradient is zero here: there is no update to compare"
+        )
     relative = float(np.linalg.norm(ours - theirs)) / reference
     scale = float(ours @ theirs) / reference**2
     return BigBatchCheck(relative, rtol, relative <= rtol, scale, window_items, grad_norm, big)
 
 
-def _big_batch_update(loss_fn, params, window, learning_rate, max_grad_norm):
-    """SGD's update on the window's mean loss, clipped once; its items and gradient norm."""
+def _check(microbatches: Sequence[Any], learning_rate: float, rtol: float) -> None:
+    if not isinstance(microbatches, Sequence) or not microbatches:
+        raise ValueError(
+            "microbatches: expected the window's micro-batches as a non-empty list, got"
+            f" {type(microbatches).__name__}"
+        )
+    for value, name in ((learning_rate, "learning_rate"), (rtol, "rtol")):
+        if not (isinstance(value, numbers.Real) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name}: expected a finite number > 0, got {value!r}")
 
-    def mean(p):
-        loss_sum, num_items = loss_fn(p, window)
-        return loss_sum / num_items, num_items
 
-    (_, num_items), grads = jax.value_and_grad(mean, has_aux=True)(params)
-    grad_norm = optax.tree.norm(grads)
-    grads, _ = clip_by_global_norm(grads, grad_norm, max_grad_norm)
-    update = jax.tree.map(lambda g: -learning_rate * g, grads)
-    return update, float(num_items), float(grad_norm)
+def _big_batch_update(loss_fn, params, microbatches, learning_rate, max_grad_norm):
+    """SGD's step on the window's mean loss, clipped once, in float64: the gradients of the
+    micro-batches' SUMMED losses added, divided once by the window's items (one micro-batch
+    in memory at a time). Returns the update (a pytree like ``params``), the items, the norm."""
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    total, window_items = None, 0.0
+    for microbatch in microbatches:
+        (_, num_items), grads = grad_fn(params, microbatch)
+        leaves = [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
+        total = leaves if total is None else [t + g for t, g in zip(total, leaves, strict=True)]
+        window_items += float(num_items)
+    if not window_items > 0:
+        raise ValueError(
+            f"microbatches: the window holds no item (num_items adds up to {window_items})"
+        )
+    grads = [t / window_items for t in total]
+    grad_norm = math.sqrt(sum(float(np.sum(g * g)) for g in grads))
+    # PyTorch's clip_grad_norm_, as multi_steps clips (written out: no jaxaccum code here)
+    coef = 1.0 if max_grad_norm is None else min(1.0, max_grad_norm / (grad_norm + 1e-6))
+    update = [-learning_rate * coef * g for g in grads]
+    return jax.tree.unflatten(jax.tree.structure(params), update), window_items, grad_norm

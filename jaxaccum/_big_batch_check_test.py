@@ -92,3 +92,28 @@ def test_an_update_of_another_structure_is_refused(window):
     params, microbatches = window
     with pytest.raises(ValueError, match="update: expected a pytree like params"):
         jaxaccum.audit.check_big_batch({"w": 0.0}, loss_fn, params, microbatches)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(max_grad_norm=-1.0), "max_grad_norm: expected None, the threshold > 0"),
+        (dict(learning_rate=0.0), "learning_rate: expected a finite number > 0"),
+        (dict(rtol=float("nan")), "rtol: expected a finite number > 0"),
+        (dict(microbatches=[]), "microbatches: expected the window's micro-batches"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(window, bad, message):
+    params, microbatches = window
+    arguments = dict(microbatches=microbatches, learning_rate=LR) | bad
+    update = jax.tree.map(np.zeros_like, params)
+    with pytest.raises(ValueError, match=message):
+        jaxaccum.audit.check_big_batch(update, loss_fn, params, **arguments)
+
+
+def test_a_window_without_items_is_refused(window):
+    params, microbatches = window
+    empty = [dict(mb, labels=np.full_like(mb["labels"], -100)) for mb in microbatches]
+    update = jax.tree.map(np.zeros_like, params)
+    with pytest.raises(ValueError, match="microbatches: the window holds no item"):
+        jaxaccum.audit.check_big_batch(update, loss_fn, params, empty)
