@@ -78,6 +78,7 @@ docs-check: docs
 	command -v chromium >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
 		apt-get install -y -q chromium; } || echo "[docs-check] chromium could not be installed"
 	$(PY) -m pytest -q -n 0 -m full docs/_site/site_test.py
+
 $(STAMP_TRAINERS): pyproject.toml constraints-latest.txt constraints-jax-trainers.txt
 	test -x $(VENV_TRAINERS)/bin/python || $(PYTHON_LATEST) -m venv $(VENV_TRAINERS)
 	$(VENV_TRAINERS)/bin/python -m pip install -q --upgrade pip

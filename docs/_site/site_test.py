@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import html.parser
+import os
 import http.server
 import posixpath
 import re
@@ -153,6 +154,8 @@ def server():
 def chromium(url: str, *args: str) -> str:
     """Opens ``url`` in headless Chromium, lets its scripts run, returns what it printed."""
     executable = shutil.which("chromium")
+    if executable is None and os.environ.get("JAXACCUM_REQUIRE_CHROMIUM"):
+        pytest.fail(f"JAXACCUM_REQUIRE_CHROMIUM is set (CI): {NO_CHROMIUM}")
     if executable is None:
         pytest.skip(NO_CHROMIUM)
     with tempfile.TemporaryDirectory() as profile:
