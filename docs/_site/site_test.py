@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 import html.parser
-import os
 import http.server
+import os
 import posixpath
 import re
 import shutil
