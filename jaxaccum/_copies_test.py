@@ -26,6 +26,8 @@ from flax import nnx
 import jaxaccum
 from testkit import hlo, modes
 
+pytestmark = pytest.mark.slow  # compiles every route's step: make test, not test-fast
+
 K = 4
 DEVICES = 4
 SHAPES = {"embed": (24, 16), "hidden": (16, 40), "bias": (40,), "out": (40, 8)}
