@@ -35,13 +35,19 @@ class Caller(NamedTuple):
 
 
 VALUE_AND_GRAD = Caller(
-    "jaxaccum.value_and_grad", "args", 0, "jax.device_put(batch, P({}))",
+    "jaxaccum.value_and_grad",
+    "args",
+    0,
+    "jax.device_put(batch, P({}))",
     "build multi_steps without axis_name and take the gradient with jax.value_and_grad",
-)  # fmt: skip
+)
 ACCUMULATE = Caller(
-    "jaxaccum.accumulate_gradients", "microbatches", 1,
-    "jax.device_put(microbatches, P(None, {}))", "call accumulate_gradients without axis_name",
-)  # fmt: skip
+    "jaxaccum.accumulate_gradients",
+    "microbatches",
+    1,
+    "jax.device_put(microbatches, P(None, {}))",
+    "call accumulate_gradients without axis_name",
+)
 
 
 def batch_split(args: Any, axis_name: AxisName | None, caller: Caller = VALUE_AND_GRAD) -> None:
