@@ -159,8 +159,12 @@ def why_copies(pick: dict[tuple[str, bool], dict]) -> list[str]:
         "- *optax.MultiSteps, donated.* It runs AdamW on every call, and every call's path has "
         f"{cell(theirs, 'between')} (the parameters, the inner state and the accumulator hold "
         f"{2 + inner_p:.1f} P together).",
-        f"- *not donated.* {not_donated}. Donate the train step's params and optimizer state "
-        "(`donate_argnums`): jaxaccum then copies nothing.",
+        f"- *not donated.* {not_donated}. The copy weighs most at small k, and so do the "
+        "boundary's own passes (the division, the norm, the reset, the inner update into the "
+        "updates' slot, each in a pass of its own in the numbers' current order, which stays "
+        "bitwise), where optax.MultiSteps fuses AdamW into the writes it makes on every call. "
+        "Donate the train step's params and optimizer state (`donate_argnums`): jaxaccum then "
+        "copies nothing.",
     ]
 
 
