@@ -25,6 +25,7 @@ from testkit import (
     big_batch_last_window,
     big_batch_run,
     max_abs_diff,
+    nnx_micro_step,
     skewed_windows,
     standard,
     tiny_lm_loss,
@@ -354,13 +355,7 @@ def test_nnx_optimizer_under_nnx_jit_reduces_once_per_window():
         nnx.update(model, jax.device_put(nnx.state(model), P()))
         tx = jaxaccum.multi_steps(adamw(), K, axis_name="data")
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-        @nnx.jit
-        def micro_step(model, optimizer, batch):
-            (loss_sum, num_items), grads = jaxaccum.value_and_grad(loss_fn, axis_name="data")(
-                model, batch
-            )
-            optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
+        micro_step = nnx_micro_step(loss_fn, axis_name="data")
 
         for batch in batches:
             micro_step(model, optimizer, jax.device_put(batch, P("data")))

@@ -16,6 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
+from testkit import nnx_micro_step
 
 DEVICES = 4
 K = 2
@@ -113,13 +114,7 @@ def test_nnx_refuses_a_batch_not_split():
         model = Linear()
         tx = jaxaccum.multi_steps(optax.sgd(0.1), K, axis_name="data")
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-        @nnx.jit
-        def micro_step(model, optimizer, batch):
-            (loss_sum, num_items), grads = jaxaccum.value_and_grad(nnx_loss, axis_name="data")(
-                model, batch
-            )
-            optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
+        micro_step = nnx_micro_step(nnx_loss, axis_name="data")
 
         with pytest.raises(ValueError, match="not split over the batch axis 'data'") as error:
             micro_step(model, optimizer, jax.device_put(make_batch(), P()))

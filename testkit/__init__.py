@@ -5,6 +5,8 @@
   under JAX's standard dtype and rank promotion, while the test session is
   strict for the project's own code (``conftest.py``);
 * the tiny LM of the unit tests (:func:`tiny_lm_params`, :func:`tiny_lm_loss`);
+* :func:`nnx_micro_step`: the Flax NNX micro-step of the docs (one jitted
+  ``value_and_grad -> optimizer.update``);
 * :func:`data_parallel` (``testkit.modes``): one ``value_and_grad -> update -> apply_updates``
   micro-step for every way of running it (one device, plain ``jit`` on an
   Explicit mesh, GSPMD, ``shard_map``, ``pmap``, ``vmap``), the unit tests' and
@@ -238,3 +240,19 @@ def big_batch(windows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {
         name: value.reshape(value.shape[0], -1, value.shape[-1]) for name, value in windows.items()
     }
+
+
+def nnx_micro_step(loss_fn: Callable, axis_name: str | None = None) -> Callable:
+    """The docs' Flax NNX micro-step: ``nnx.jit`` of ``jaxaccum.value_and_grad`` of
+    ``loss_fn(model, batch) -> (loss_sum, num_items)``, then ``optimizer.update``."""
+    from flax import nnx  # only the NNX tests need flax
+
+    import jaxaccum
+
+    @nnx.jit
+    def micro_step(model: Any, optimizer: Any, batch: Any) -> None:
+        value_and_grad = jaxaccum.value_and_grad(loss_fn, axis_name=axis_name)
+        (loss_sum, num_items), grads = value_and_grad(model, batch)
+        optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
+
+    return micro_step
