@@ -105,6 +105,7 @@ def test_each_micro_batch_clipped_by_its_norm_is_its_own_form(num_devices):
     weights[full] = np.minimum(1.0, c / np.broadcast_to(shares, layout.items.shape)[full])
     report = run(layout, grads, weights)
     assert report.verdict == "clipped_per_micro_batch" and not report.passed, report
+    assert "pass max_grad_norm" not in str(report)  # that advice is for a clip once
     assert report.clip_base == "exact" and abs(report.clipped_to - c) <= RTOL * c
     np.testing.assert_allclose(report.verdict_weights, weights, rtol=RTOL)
     assert report.form_errors["clipped_per_micro_batch"] <= RTOL
@@ -113,6 +114,10 @@ def test_each_micro_batch_clipped_by_its_norm_is_its_own_form(num_devices):
     assert "fix: clip the window's gradient once" in str(report)
     report = run(layout, grads, weights, max_grad_norm=c)
     assert report.clip_kept and "= the max_grad_norm you passed" in str(report)
+    # a loop said not to clip (max_grad_norm=inf) that clips per micro-batch
+    report = run(layout, grads, weights, max_grad_norm=math.inf)
+    assert report.clip_kept is False and "= the max_grad_norm you passed" not in str(report)
+    assert "you said it does not clip (max_grad_norm=inf)" in str(report)
 
 
 def test_micro_batch_means_clipped_each_are_a_mean_of_means_clipped_per_micro_batch():

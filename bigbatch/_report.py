@@ -121,8 +121,13 @@ class AuditReport(WindowShape):
         a bug that weighs every item ``s`` times too little (a loss divided by ``k``
         twice). ``max_grad_norm=math.inf`` says the loop does not clip at all.
         """
-        unconfirmed = self.clipped_once and self.max_grad_norm is None
-        return self.verdict == EXACT and self.clip_kept is not False and not unconfirmed
+        return self.verdict == EXACT and self.clip_kept is not False and not self.unconfirmed
+
+    @property
+    def unconfirmed(self) -> bool:
+        """``exact``, clipped once, with no ``max_grad_norm`` passed: a clip or a uniform scale
+        error, which the audit cannot tell apart (``summary`` says NOT CONFIRMED)."""
+        return self.verdict == EXACT and self.clipped_once and self.max_grad_norm is None
 
     @property
     def clipped_once(self) -> bool:
@@ -141,6 +146,8 @@ class AuditReport(WindowShape):
         else:
             expected = min(self.grad_norm, self.max_grad_norm)
             actual = self.grad_norm * self.clip_scale
+        if math.isinf(expected):  # max_grad_norm=inf, yet clipped per micro-batch
+            return False
         return bool(abs(actual - expected) <= self.clip_tolerance * expected)
 
     @property
@@ -160,8 +167,7 @@ class AuditReport(WindowShape):
 
     def summary(self) -> str:
         """One line: passed or not, the verdict, and the worst-weighed cell."""
-        unconfirmed = self.verdict == EXACT and self.clipped_once and self.max_grad_norm is None
-        status = "PASSED" if self.passed else "NOT CONFIRMED" if unconfirmed else "FAILED"
+        status = "PASSED" if self.passed else "NOT CONFIRMED" if self.unconfirmed else "FAILED"
         return f"{status}, {self.verdict}: {headline(self)}"
 
     def __repr__(self) -> str:

@@ -42,6 +42,8 @@ def _threshold(report: AuditReport) -> str:
     """``= the max_grad_norm you passed``, ``not the max_grad_norm 1 you passed``, or what to
     pass to tell a clip from a uniform scale."""
     if report.max_grad_norm is None:
+        if not report.clipped_once:  # a clip per micro-batch is a form of its own
+            return ""
         return (
             f"or every item weighed {report.clip_scale:.4g}x: pass max_grad_norm= your clip"
             " threshold, or math.inf if your loop does not clip, to tell"
