@@ -1,9 +1,10 @@
 """Section 8: what the audit costs, time and peak memory against parameters, JAX and torch.
 
 Each audit runs alone in a fresh process (``python -m benchmarks.audit_cost --one
-FRAMEWORK SIZE RANKS``), so that its peak resident memory (``ru_maxrss``) is its
-own: the model, the audited loop and the audit. Gloo ranks are processes of
-their own; their peak is sampled (psutil, every 0.1 s) and reported apart.
+FRAMEWORK SIZE RANKS``), so that its peak resident memory (Linux's ``VmHWM``,
+``_audit_runs.peak_rss``) is its own: the model, the audited loop and the audit.
+Gloo ranks are processes of their own; their peak is sampled (psutil, every
+0.1 s) and reported apart.
 
 The audited loop is nanoGPT's (each micro-batch's token mean / k, gradients
 summed as they come), whose verdict is ``mean_of_means``; ``hf_trainer`` is

@@ -153,6 +153,11 @@ def run(source: str) -> Run:
     return flax_lm() if source == "flax_lm" else lesson(source)
 
 
+def runnable(number: str) -> bool:
+    """Whether this environment has every module lesson ``number`` needs (`NEEDS`)."""
+    return all(importlib.util.find_spec(m) is not None for m in NEEDS.get(number, ()))
+
+
 def skip_unless_runnable(sources: Iterable[str]) -> None:
     """Inside a test: a skip when one of ``sources`` needs a package that is not installed
     (`NEEDS`, e.g. lesson 10 runs TRL: ``make test-latest`` has no torch)."""

@@ -74,11 +74,11 @@ def batch_split(args: Any, axis_name: AxisName | None, caller: Caller = VALUE_AN
     ]
     batch_axes = set(_sharding.axes(axis_name))
     split = {path: _split_over(x, where) & batch_axes for path, x in leaves}
-    rows = {_rows(x, split[path], where, caller.row_axis) for path, x in leaves if split[path]}
     unsplit = [path for path, x in leaves if split[path] != batch_axes]
     if len(unsplit) == len(leaves) and leaves:
         raise ValueError(_not_split(caller, axis_name, unsplit, split, where))
     counts = {path: _rows(x, split[path], where, caller.row_axis) for path, x in leaves}
+    rows = {counts[path] for path, _ in leaves if split[path]}  # the split leaves' rows
     with_rows = [path for path in unsplit if counts[path] in rows]
     if with_rows:
         raise ValueError(_not_split(caller, axis_name, with_rows, split, where))

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
+from testkit import nnx_micro_step
 
 DEVICES = 4
 LR = 0.1
@@ -131,11 +132,7 @@ def test_an_nnx_module_draws_per_device_and_keeps_its_rng_stream():
         tx = jaxaccum.multi_steps(optax.sgd(LR), 2, axis_name="data")  # the window stays open
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-        @nnx.jit
-        def step(model, optimizer, batch):
-            (loss_sum, n), grads = jaxaccum.value_and_grad(loss_fn, axis_name="data")(model, batch)
-            optimizer.update(model, grads, num_items=n, loss_sum=loss_sum)
-
+        step = nnx_micro_step(loss_fn, axis_name="data")
         step(model, optimizer, jax.device_put(same_rows, P("data")))
         per_device_loss = np.asarray(optimizer.opt_state.loss_sum[...])  # one row per device
     assert len(set(per_device_loss.tolist())) == DEVICES, per_device_loss  # 4 masks

@@ -8,6 +8,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
+from testkit import nnx_micro_step
 
 K = 2
 
@@ -38,16 +39,11 @@ def test_window_log_returns_each_closed_window_once_under_nnx_on_a_mesh():
         tx = jaxaccum.multi_steps(optax.adamw(1e-2), K, axis_name="data")
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-        @nnx.jit
-        def micro_step(model, optimizer, batch):
-            def loss_fn(model, batch):
-                err = (model(batch["x"])[:, 0] - 1.0) ** 2
-                return jnp.sum(batch["m"] * err), jnp.sum(batch["m"])
+        def loss_fn(model, batch):
+            err = (model(batch["x"])[:, 0] - 1.0) ** 2
+            return jnp.sum(batch["m"] * err), jnp.sum(batch["m"])
 
-            (loss_sum, num_items), grads = jaxaccum.value_and_grad(loss_fn, axis_name="data")(
-                model, batch
-            )
-            optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
+        micro_step = nnx_micro_step(loss_fn, axis_name="data")
 
         log, logged = jaxaccum.WindowLog(), []
         for step in range(5 * K):

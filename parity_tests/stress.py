@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 import torch_ref
+from tinygpt.torch_testing import tiny_gpt2
 from torch_ref import ddp
 
 KINDS = ("ddp", "hf_trainer", "trl")
@@ -60,14 +61,7 @@ def _ddp(launch: int) -> None:
 
 
 def _hf_trainer(launch: int) -> None:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=32, n_positions=12, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    model = transformers.GPT2LMHeadModel(config)
+    model = tiny_gpt2(seq_len=12)
     ids = torch.randint(0, 32, (8, 12))
     labels = ids.clone()
     for row, targets in enumerate((11, 2, 7, 4, 9, 1, 5, 8)):  # cells of unequal items

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import signal
-import subprocess
 import sys
 
 import numpy as np
@@ -27,6 +25,7 @@ from parity_tests.torch_launch import (  # noqa: E402
 )
 from parity_tests.torch_ranks import run_scenario  # noqa: E402
 from parity_tests.torch_scenario import AdamW, Scenario, WarmupCosine, split_window  # noqa: E402
+from testkit import run_bounded  # noqa: E402
 from tinygpt.torch_gpt import TinyGPT, export_state_dict  # noqa: E402
 from tinygpt.torch_testing import CONFIG, skewed_batch  # noqa: E402
 
@@ -54,18 +53,9 @@ def _torchrun(args: list[str]) -> str:
     # take it in between)
     cmd += ["--standalone", "--local-addr=127.0.0.1", "-m", "parity_tests.torch_launch"]
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        cmd + args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: our own session only
-        out, _ = proc.communicate()
-        pytest.fail(f"torchrun did not finish within {TORCHRUN_TIMEOUT_S} s:\n{out}")
-    assert proc.returncode == 0, out
-    return out
+    returncode, out, err = run_bounded(cmd + args, timeout=TORCHRUN_TIMEOUT_S, env=env)
+    assert returncode == 0, out + err
+    return out + err
 
 
 @pytest.mark.slow  # torchrun and 2 ranks: ~15 s on 2 cores

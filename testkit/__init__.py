@@ -5,6 +5,7 @@
   under JAX's standard dtype and rank promotion, while the test session is
   strict for the project's own code (``conftest.py``);
 * the tiny LM of the unit tests (:func:`tiny_lm_params`, :func:`tiny_lm_loss`);
+* :func:`run_bounded`: a command in its own process group, killed whole on its timeout;
 * :func:`nnx_micro_step`: the Flax NNX micro-step of the docs (one jitted
   ``value_and_grad -> optimizer.update``);
 * :func:`data_parallel` (``testkit.modes``): one ``value_and_grad -> update -> apply_updates``
@@ -256,3 +257,29 @@ def nnx_micro_step(loss_fn: Callable, axis_name: str | None = None) -> Callable:
         optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
 
     return micro_step
+
+
+def run_bounded(cmd: list[str], *, timeout: float, env: dict | None = None) -> tuple[int, str, str]:
+    """Runs ``cmd`` in a process group of its own; ``(returncode, stdout, stderr)``.
+
+    On ``timeout`` seconds the whole group (the command and every process it
+    started: torchrun's ranks, Chromium's renderers) is killed and the test fails
+    with what it printed.
+    """
+    import os
+    import signal
+    import subprocess
+
+    import pytest
+
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # our own session only
+        out, err = proc.communicate()
+        pytest.fail(f"{cmd[0]} did not finish within {timeout} s:\n{out}\n{err}")
+    return proc.returncode, out, err

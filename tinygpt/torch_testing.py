@@ -14,7 +14,8 @@ generator, ``tinygpt.data.skewed_batch``; `microbatches` cuts it with
 `window_grad` reads the gradient the optimizer saw after one `train_update`
 with ``SGD(lr=0)`` (the step leaves the parameters unchanged, ``p.grad`` holds
 the window gradient); deviations are relative L2 over all parameters,
-``||g - g_ref|| / ||g_ref||`` (`rel_l2`).
+``||g - g_ref|| / ||g_ref||`` (`rel_l2`). `tiny_gpt2` is the Hugging Face model of
+the HF Trainer audits.
 """
 
 from __future__ import annotations
@@ -81,3 +82,19 @@ def window_grad(
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     record = train_update(model, window, opt, **train_update_kwargs)
     return record, flat_grad(model)
+
+
+def tiny_gpt2(seq_len: int = 12, class_name: str = "GPT2LMHeadModel") -> Any:
+    """A randomly initialized GPT-2 of 4k parameters, without dropout (no download), as an
+    instance of a ``GPT2LMHeadModel`` subclass called ``class_name``."""
+    import transformers  # the hf extra: only the HF Trainer's tests and stress need it
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=32, n_positions=seq_len, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model_class = transformers.GPT2LMHeadModel
+    if class_name != model_class.__name__:
+        model_class = type(class_name, (model_class,), {})
+    return model_class(config)

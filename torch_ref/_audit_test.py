@@ -18,7 +18,7 @@ import torch
 from torch.nn import functional as F
 
 import bigbatch
-from tinygpt import TinyGPTConfig
+from tinygpt import TinyGPTConfig, torch_testing
 from tinygpt.torch_gpt import TinyGPT
 from tinygpt.torch_testing import skewed_batch
 from torch_ref import IGNORE_INDEX, buggy, causal_lm_loss_sum, train_update
@@ -225,18 +225,9 @@ def test_ranks_that_step_apart_are_refused():
 
 
 def tiny_gpt2(class_name: str = "GPT2LMHeadModel"):
-    """A randomly initialized GPT-2 of 4k parameters, without dropout (no download), as an
-    instance of a ``GPT2LMHeadModel`` subclass called ``class_name``."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(
-        vocab_size=32, n_positions=SEQ_LEN, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    model_class = transformers.GPT2LMHeadModel
-    if class_name != model_class.__name__:
-        model_class = type(class_name, (model_class,), {})
-    return model_class(config)
+    """`tinygpt.torch_testing.tiny_gpt2` over `SEQ_LEN` positions (a skip without transformers)."""
+    pytest.importorskip("transformers")
+    return torch_testing.tiny_gpt2(SEQ_LEN, class_name)
 
 
 def hf_rows(batch) -> list[dict[str, torch.Tensor]]:

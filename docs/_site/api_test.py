@@ -100,7 +100,7 @@ def test_docstring_examples_run(request):
 
 
 def test_every_lesson_reads_as_a_gallery_example():
-    for path in staging.lesson_paths():
+    for path in staging.LESSON_PATHS:
         lesson = staging.lesson_for_gallery(path.read_text(), f"examples/{path.name}")
         title = lesson.split("\n", 1)[0].strip('"')
         assert lesson.split("\n")[1] == "=" * len(title), path.name

@@ -19,14 +19,16 @@ import os
 import posixpath
 import re
 import shutil
-import subprocess
 import tempfile
 import threading
 import urllib.parse
 
+import _headlines
 import public_api
 import pytest
 import staging
+
+from testkit import run_bounded
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]  # needs the built site: make docs-check
 
@@ -91,16 +93,16 @@ def test_internal_links_and_images_resolve():
 
 
 def test_every_lesson_page_shows_what_it_printed():
-    for path in staging.lesson_paths():
+    for path in staging.LESSON_PATHS:
         text = (SITE / staging.LESSONS / f"{path.stem}.html").read_text()
         printed = re.findall(r"sphx-glr-script-out.*?<pre>(.*?)</pre>", text, re.S)
-        if not staging.runnable(path.name[:2]):  # the output its own environment recorded
+        if not _headlines.runnable(path.name[:2]):  # the output its own environment recorded
             printed = re.findall(r"highlight-text.*?<pre>(.*?)</pre>", text, re.S)
             assert "recorded on" in text, f"{path.name}: its recorded output is not labelled"
         assert printed and printed[-1].strip(), f"{path.name}: no output on its page"
     gallery = (SITE / staging.LESSONS / "index.html").read_text()
     thumbnails = re.findall(r'class="sphx-glr-thumbcontainer"', gallery)
-    assert len(thumbnails) == len(staging.lesson_paths())
+    assert len(thumbnails) == len(staging.LESSON_PATHS)
 
 
 def test_api_reference_lists_every_public_name():
@@ -160,7 +162,7 @@ def chromium(url: str, *args: str) -> str:
         pytest.skip(NO_CHROMIUM)
     with tempfile.TemporaryDirectory() as profile:
         # no network but 127.0.0.1: Chromium's own background connections stay off
-        run = subprocess.run(
+        returncode, out, err = run_bounded(
             [
                 executable,
                 "--headless",
@@ -177,12 +179,10 @@ def chromium(url: str, *args: str) -> str:
                 *args,
                 url,
             ],  # fmt: skip
-            capture_output=True,
-            text=True,
             timeout=120,  # a page takes seconds; the bound is for a busy machine
         )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
+    assert returncode == 0, err[-3000:]
+    return out
 
 
 def assert_math_typeset(dom: str, address: str) -> None:

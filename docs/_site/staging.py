@@ -14,7 +14,6 @@ reads again only the pages that changed (the lessons run at every build).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import re
@@ -22,7 +21,7 @@ import re
 import _headlines
 import public_api
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = _headlines.ROOT
 SITE = ROOT / "docs" / "_site"
 # The pages of the repository shown on the site, as paths relative to ROOT.
 PAGES = ["README.md", "CHANGELOG.md", "examples/flax_lm/README.md"] + sorted(
@@ -30,6 +29,7 @@ PAGES = ["README.md", "CHANGELOG.md", "examples/flax_lm/README.md"] + sorted(
 )
 LESSONS_SOURCE = "_lessons"  # where sphinx-gallery reads the lessons (under the source tree)
 LESSONS = "lessons"  # where it writes their pages
+LESSON_PATHS = _headlines.LESSONS  # examples/NN_*.py, in order
 LESSON_TAIL = 'if __name__ == "__main__":\n    raise SystemExit(main())\n'
 # A lesson that needs what the site's environment lacks (``_headlines.NEEDS``: lesson 11 runs
 # Tunix) is shown with the output its own environment recorded: the record, the key of the
@@ -37,16 +37,6 @@ LESSON_TAIL = 'if __name__ == "__main__":\n    raise SystemExit(main())\n'
 RECORDED = {"11": ("docs/jax-trainers.json", "lesson_11", "make jax-trainers")}
 # A Markdown link's target: ](target) or ](target#anchor)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
-
-
-def lesson_paths() -> list[pathlib.Path]:
-    """The lessons, ``examples/NN_*.py``, in order."""
-    return sorted((ROOT / "examples").glob("[0-9][0-9]_*.py"))
-
-
-def runnable(number: str) -> bool:
-    """Whether this environment has every module lesson ``number`` needs."""
-    return all(importlib.util.find_spec(m) is not None for m in _headlines.NEEDS.get(number, ()))
 
 
 def recorded_output(number: str) -> str:
@@ -88,7 +78,7 @@ def linked_files(page: str) -> list[str]:
         if "://" in target or target.startswith("mailto:"):
             continue
         path = (base / target).resolve()
-        if path.is_file() and path.suffix != ".md" and path not in lesson_paths():
+        if path.is_file() and path.suffix != ".md" and path not in LESSON_PATHS:
             found.add(path.relative_to(ROOT).as_posix())
     return sorted(found)
 
@@ -137,13 +127,14 @@ def lesson_for_gallery(source: str, script: str, recorded: str | None = None) ->
     title = title.rstrip(".")
     # an indented block after a paragraph: a literal block (a lone "::" is not shown)
     text = re.sub(r"\n\n(    \S)", r"\n\n::\n\n\1", text)
-    run = (
-        f"# %%\n# ``python {script}`` runs ``main()``: it prints the lesson's numbers below and\n"
-        "# asserts every one of them (a wrong number stops the build of this page).\n\n"
-        "assert main() == 0\n"
-    )
     body = code[: -len(LESSON_TAIL)]
-    run = run if recorded is None else recorded
+    run = recorded
+    if recorded is None:
+        run = (
+            f"# %%\n# ``python {script}`` runs ``main()``: it prints the lesson's numbers below"
+            " and\n# asserts every one of them (a wrong number stops the build of this page).\n\n"
+            "assert main() == 0\n"
+        )
     return f'"""{title}\n{"=" * len(title)}\n{text}"""{body}{run}'
 
 
@@ -168,10 +159,10 @@ def stage_lessons(srcdir: pathlib.Path) -> list[pathlib.Path]:
     """The lessons, their thumbnails and the gallery's header, under ``srcdir/_lessons``."""
     written = [write_if_changed(srcdir / LESSONS_SOURCE / "GALLERY_HEADER.rst",
                                 (SITE / "lessons_header.rst").read_text())]  # fmt: skip
-    for path in lesson_paths():
+    for path in LESSON_PATHS:
         source = path.read_text()
         number = path.name[:2]
-        recorded = None if runnable(number) else recorded_output(number)
+        recorded = None if _headlines.runnable(number) else recorded_output(number)
         lesson = lesson_for_gallery(source, f"examples/{path.name}", recorded)
         if "matplotlib" not in source:  # no figure of its own: a title card
             card = f"{LESSONS_SOURCE}/thumbnails/{path.stem}.png"
