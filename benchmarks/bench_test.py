@@ -31,6 +31,7 @@ from benchmarks import (
     scan,
     state,
 )
+from testkit import hlo
 
 NO_TORCH = "needs torch: no CPU build for this Python here"
 
@@ -86,6 +87,32 @@ def test_micro_step(mlp):
         f"| {ours['boundary_copies']} ({in_p('boundary')}) | {in_p('window')} |"
     )
     assert row in section.body
+    for r in results:
+        # operations per window: optax.MultiSteps runs one path on every call; jaxaccum's
+        # boundary runs its micro-step's operations and the loop bodies' on top (exact counts)
+        ops = r["between_ops"], r["boundary_ops"], r["window_ops"]
+        if r["label"] == "jaxaccum":
+            assert ops[0] < ops[1] and ops[2] == (K - 1) * ops[0] + ops[1], ops
+        else:
+            assert ops[0] == ops[1] and ops[2] == K * ops[0], ops
+    assert "\n| MLP " in section.body.split("**Operations per window**")[1]
+
+
+def test_operations_counts_what_runs():
+    # a loop (its trip count read from the data) of a fused multiply-add, then an add: the
+    # entry launches the loop and the add, the body its kernels; parameters, tuples and
+    # constants are bookkeeping, never counted
+    def f(x):
+        y = jax.lax.while_loop(lambda y: y.sum() < 100, lambda y: y * 2 + 1, x)
+        return y + x
+
+    found = hlo.operations(jax.jit(f).lower(np.ones(4, np.float32)).compile().as_text())
+    ops = lambda where: sorted(o["op"] for o in found if o["where"] == where)
+    assert not {"parameter", "tuple", "constant"} & {o["op"] for o in found}, found
+    # XLA:CPU runs a small loop through a `call` of a computation that holds the `while`
+    loops = [op for op in ops("entry") if op in ("while", "call")]
+    assert len(loops) == 1 and "fusion" in ops("entry"), found
+    assert "fusion" in ops("loop"), found
 
 
 def test_scan(mlp):

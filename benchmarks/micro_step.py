@@ -2,7 +2,10 @@
 
 One jitted train step per micro-batch (forward, backward, ``tx.update``,
 ``optax.apply_updates``), the same inner optimizer, ``k`` micro-steps per
-window, with the step's ``params`` and optimizer state donated or not.
+window, with the step's ``params`` and optimizer state donated or not. Both
+steps compute the loss a training loop logs: optax.MultiSteps' step returns the
+micro-batch's mean loss, jaxaccum's passes the summed loss to ``update``, which
+keeps the window's mean loss in its record.
 
 ``optax.MultiSteps`` runs its inner optimizer on every micro-step and keeps
 the result only at the boundary; ``jaxaccum.multi_steps`` runs it only at the
@@ -53,8 +56,9 @@ class Variant:
         times = []
         for batch in self.batches:
             t0, c0 = time.perf_counter(), time.process_time()
-            self.params, self.state = self.step(self.params, self.state, batch)
-            jax.block_until_ready((self.params, self.state))
+            outputs = self.step(self.params, self.state, batch)  # optax's adds the loss
+            jax.block_until_ready(outputs)
+            self.params, self.state = outputs[:2]
             times.append((time.perf_counter() - t0, time.process_time() - c0))
         self.calls.append(times)
         return self.params
@@ -66,17 +70,18 @@ def build(model: Model, label: str, inner: str, donate: bool, k: int, rows: int)
     if label == BASELINE:
         # optax's code, run under JAX's standard promotion (tests are strict for ours)
         tx = standard(optax.MultiSteps(tx_inner, every_k_schedule=k))
-        grad_fn = jax.grad(mean_loss(model.loss_fn))
+        value_and_grad = jax.value_and_grad(mean_loss(model.loss_fn))
 
-        def step(params, state, batch):
-            updates, state = tx.update(grad_fn(params, batch), state, params)
-            return optax.apply_updates(params, updates), state
+        def step(params, state, batch):  # returns the loss: the training loop logs it
+            loss, grads = value_and_grad(params, batch)
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, loss
 
     else:
         tx = jaxaccum.multi_steps(tx_inner, every_k_schedule=k)
         value_and_grad = jax.value_and_grad(model.loss_fn, has_aux=True)
 
-        def step(params, state, batch):
+        def step(params, state, batch):  # the loss goes to the window record, in the state
             (loss_sum, num_items), grads = value_and_grad(params, batch)
             updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
             return optax.apply_updates(params, updates), state
@@ -150,6 +155,7 @@ def _measured(cases: list[Case], k: int, rounds: int) -> list[dict]:
                         **_copy_analysis.copies(
                             v.hlo, case.model.params, k, accumulating=v.label != BASELINE
                         ),
+                        **_copy_analysis.operations(v.hlo, k, accumulating=v.label != BASELINE),
                     }
                 )
             del variants
@@ -176,7 +182,9 @@ def _section(results: list[dict], k: int) -> Section:
         "Times in ms, medians over interleaved rounds; 'micro-step' is a call between "
         "boundaries, 'boundary' the call that closes the window. Ratios: per window, against "
         "optax.MultiSteps with the same model, inner optimizer, donation and k (wall-clock "
-        "and process CPU time; median of the per-round ratios). Copies: `copy` instructions "
+        "and process CPU time; median of the per-round ratios). Both steps compute the loss "
+        "a training loop logs: optax.MultiSteps' step returns it, jaxaccum's passes it to "
+        "`update`, which records it. Copies: `copy` instructions "
         "of parameter-shaped arrays in the compiled program, on the path of a micro-step and "
         "of the boundary call (in parentheses: their bytes / the parameters' bytes).",
         "",
@@ -185,6 +193,7 @@ def _section(results: list[dict], k: int) -> Section:
     at_k = [r for r in results if r["k"] == k]
     analysis, quoted = _copy_analysis.analysis(at_k, k)
     body += ["", _optimizer_share(at_k), "", analysis]
+    body += ["", _copy_analysis.operations_table(results, k)]
     summary = [
         (
             f"per window, jaxaccum / optax.MultiSteps, {r['model'].split(' (')[0]}, "

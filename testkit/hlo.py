@@ -103,6 +103,24 @@ def instructions(hlo_text: str, ops: tuple[str, ...]) -> list[dict[str, Any]]:
     return found
 
 
+_BOOKKEEPING = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
+
+
+def operations(hlo_text: str) -> list[dict[str, Any]]:
+    """The instructions that run as an operation of their own (a fused kernel, a copy, a
+    dot, a loop's test...), with their role; a computation's bookkeeping (parameters,
+    tuples, constants, bitcasts) is left out. Their count is what a call launches."""
+    where_of = roles(hlo_text)
+    opcode = re.compile(r"= .*?\b([a-z][\w-]*)\(")
+    return [
+        {"op": match.group(1), "where": where_of[name], "line": line.strip()}
+        for name, lines in computations(hlo_text).items()
+        if name in where_of
+        for line in lines
+        if (match := opcode.search(line)) and match.group(1) not in _BOOKKEEPING
+    ]
+
+
 def collectives(hlo_text: str) -> list[dict[str, Any]]:
     """The collectives (all-reduce, reduce-scatter, all-gather, ...) and where they run."""
     return instructions(hlo_text, COLLECTIVES)
