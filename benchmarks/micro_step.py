@@ -130,6 +130,7 @@ def _measured(cases: list[Case], k: int, rounds: int) -> list[dict]:
             ]
             _common.interleaved({v.label: v.window for v in variants}, rounds)
             for v in variants:
+                accumulating = v.label != BASELINE  # jaxaccum: its boundary loop once per window
                 calls = v.calls[1:]  # the first window was the warm-up
                 between = [c for w in calls for c in w[:-1]]
                 boundary = [w[-1] for w in calls]
@@ -153,9 +154,9 @@ def _measured(cases: list[Case], k: int, rounds: int) -> list[dict]:
                         ),
                         "windows": windows,
                         **_copy_analysis.copies(
-                            v.hlo, case.model.params, k, accumulating=v.label != BASELINE
+                            v.hlo, case.model.params, k, accumulating=accumulating
                         ),
-                        **_copy_analysis.operations(v.hlo, k, accumulating=v.label != BASELINE),
+                        **_copy_analysis.operations(v.hlo, k, accumulating=accumulating),
                     }
                 )
             del variants

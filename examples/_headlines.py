@@ -164,8 +164,9 @@ def skip_unless_runnable(sources: Iterable[str]) -> None:
     import pytest
 
     for source in sorted(set(sources)):
-        for module in NEEDS.get(source, ()):
-            pytest.importorskip(module, reason=f"lesson {source} needs {module}")
+        if not runnable(source):
+            missing = [m for m in NEEDS[source] if importlib.util.find_spec(m) is None]
+            pytest.skip(f"lesson {source} needs {', '.join(missing)}")
 
 
 @dataclasses.dataclass(frozen=True)
