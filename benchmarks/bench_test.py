@@ -95,7 +95,30 @@ def test_micro_step(mlp):
             assert ops[0] < ops[1] and ops[2] == (K - 1) * ops[0] + ops[1], ops
         else:
             assert ops[0] == ops[1] and ops[2] == K * ops[0], ops
-    assert "\n| MLP " in section.body.split("**Operations per window**")[1]
+    assert "\n| MLP " in section.body.split("**Operations and bytes written per window**")[1]
+    _assert_bytes_written(results, section.body)
+
+
+def _assert_bytes_written(results: list[dict], body: str) -> None:
+    """What each call writes (result bytes of its operations, read from the HLO)."""
+    by = {(r["label"], r["donate"]): r for r in results}
+    for r in results:  # per window: k calls of one path, or k - 1 micro-steps and a boundary
+        micro, boundary = r["between_written"], r["boundary_written"]
+        calls = K * micro if r["label"] != "jaxaccum" else (K - 1) * micro + boundary
+        assert r["window_written"] == calls, r["label"]
+    ours, theirs = by[("jaxaccum", False)], by[("optax.MultiSteps", False)]
+    # Not donated, both write every output afresh: the parameters, the inner state, the
+    # sums or accumulator, and the gradient. They differ in scalars only (counters, the
+    # loss, jaxaccum's record): less than one parameter leaf.
+    assert abs(ours["between_written"] - theirs["between_written"]) < LEAF_BYTES
+    # the boundary writes at least the updates (1 P) more than a micro-step
+    assert ours["boundary_written"] - ours["between_written"] >= ours["param_bytes"]
+    assert "writes more per window than optax.MultiSteps for every k" in body
+    # Donated, a jaxaccum micro-step leaves the inner state unwritten, where an
+    # optax.MultiSteps call writes it (AdamW on every call) besides the same parameters,
+    # accumulator and gradient
+    ours, theirs = by[("jaxaccum", True)], by[("optax.MultiSteps", True)]
+    assert ours["between_written"] + ours["inner_bytes"] <= theirs["between_written"]
 
 
 def test_operations_counts_what_runs():
@@ -113,6 +136,10 @@ def test_operations_counts_what_runs():
     loops = [op for op in ops("entry") if op in ("while", "call")]
     assert len(loops) == 1 and "fusion" in ops("entry"), found
     assert "fusion" in ops("loop"), found
+    # what each writes: a fused kernel its f32[4] result (16 bytes); the loop, nothing of its
+    # own (its body's kernels write)
+    assert all(o["bytes"] == 16 for o in found if o["op"] == "fusion"), found
+    assert all(o["bytes"] == 0 for o in found if o["op"] in ("while", "call")), found
 
 
 def test_scan(mlp):

@@ -106,19 +106,29 @@ def instructions(hlo_text: str, ops: tuple[str, ...]) -> list[dict[str, Any]]:
 _BOOKKEEPING = ("parameter", "get-tuple-element", "tuple", "constant", "bitcast")
 
 
+_CONTROL = ("while", "conditional", "call")  # their results are written by their bodies
+
+
 def operations(hlo_text: str) -> list[dict[str, Any]]:
     """The instructions that run as an operation of their own (a fused kernel, a copy, a
-    dot, a loop's test...), with their role; a computation's bookkeeping (parameters,
-    tuples, constants, bitcasts) is left out. Their count is what a call launches."""
+    dot, a loop's test...), with their role and the bytes of their result.
+
+    A computation's bookkeeping (parameters, tuples, constants, bitcasts) is left
+    out; their count is what a call launches. ``bytes`` is what the operation
+    writes (an update in place of a slice writes less); a loop, conditional or
+    call writes nothing of its own (its results are its computations' results).
+    """
     where_of = roles(hlo_text)
-    opcode = re.compile(r"= .*?\b([a-z][\w-]*)\(")
-    return [
-        {"op": match.group(1), "where": where_of[name], "line": line.strip()}
-        for name, lines in computations(hlo_text).items()
-        if name in where_of
-        for line in lines
-        if (match := opcode.search(line)) and match.group(1) not in _BOOKKEEPING
-    ]
+    opcode = re.compile(r"= (.*?) ([a-z][\w-]*)\(")
+    found = []
+    for name, lines in computations(hlo_text).items():
+        for line in lines if name in where_of else ():
+            match = opcode.search(line)
+            if match and match.group(2) not in _BOOKKEEPING:
+                written = 0 if match.group(2) in _CONTROL else shape_bytes(match.group(1))
+                found.append({"op": match.group(2), "where": where_of[name], "bytes": written,
+                              "line": line.strip()})  # fmt: skip
+    return found
 
 
 def collectives(hlo_text: str) -> list[dict[str, Any]]:
