@@ -22,34 +22,28 @@ def copies(compiled_hlo: str, params: Any, k: int, *, accumulating: bool) -> dic
     optax.MultiSteps (every call runs the same path).
     """
     found = hlo.copies_of(compiled_hlo, params)
-    count, size = (
-        hlo.per_window(found, k=k, accumulating=accumulating, field=field)
-        for field in ("count", "bytes")
-    )
-    return {
-        "between_copies": count["micro_step"],
-        "between_bytes": size["micro_step"],
-        "boundary_copies": count["boundary"],
-        "boundary_bytes": size["boundary"],
-        "window_bytes": size["window"],
-    }
+    return _on_paths(found, k, accumulating, counted="copies", summed="bytes")
 
 
 def operations(compiled_hlo: str, k: int, *, accumulating: bool) -> dict[str, int]:
     """Operations launched (fused kernels, copies, dots, loop tests) and the bytes they
     write, per micro-step, boundary and window, as :func:`copies` counts its copies."""
     found = hlo.operations(compiled_hlo)
-    count, written = (
+    return _on_paths(found, k, accumulating, counted="ops", summed="written")
+
+
+def _on_paths(found: list[dict], k: int, accumulating: bool, *, counted: str, summed: str):
+    """``{path}_{counted}`` and ``{path}_{summed}`` (their bytes) for ``between`` (a
+    micro-step), ``boundary`` and ``window``."""
+    count, size = (
         hlo.per_window(found, k=k, accumulating=accumulating, field=field)
         for field in ("count", "bytes")
     )
+    paths = {"between": "micro_step", "boundary": "boundary", "window": "window"}
     return {
-        "between_ops": count["micro_step"],
-        "boundary_ops": count["boundary"],
-        "window_ops": count["window"],
-        "between_written": written["micro_step"],
-        "boundary_written": written["boundary"],
-        "window_written": written["window"],
+        f"{path}_{name}": totals[key]
+        for path, key in paths.items()
+        for name, totals in ((counted, count), (summed, size))
     }
 
 
@@ -85,12 +79,18 @@ def operations_table(results: list[dict], k: int) -> str:
     )
 
 
+def _largest_adamw(results: list[dict]) -> str | None:
+    """The largest model run with AdamW (the one the prose reads its counts from)."""
+    adamw = [r for r in results if r["inner"] == "adamw"]
+    return max(adamw, key=lambda r: r["param_bytes"])["model"] if adamw else None
+
+
 def _not_donated_writes(at_k: list[dict]) -> list[str]:
     """Why, without donation, jaxaccum writes more per window than optax.MultiSteps at any k
     (the largest model's counts)."""
-    adamw = [r for r in at_k if r["inner"] == "adamw"]
-    largest = max(adamw, key=lambda r: r["param_bytes"])["model"] if adamw else None
-    pick = {r["label"]: r for r in adamw if r["model"] == largest and not r["donate"]}
+    largest = _largest_adamw(at_k)
+    pick = {r["label"]: r for r in at_k if r["model"] == largest and r["inner"] == "adamw"
+            and not r["donate"]}  # fmt: skip
     if set(pick) != set(LABELS):
         return []
     ours, theirs = pick[LABELS[0]], pick[LABELS[1]]
@@ -157,9 +157,7 @@ def analysis(results: list[dict], k: int) -> tuple[str, list[str]]:
 
     Returns the markdown and the figures it quotes from other runs (for the report's header).
     """
-    model = max((r for r in results if r["inner"] == "adamw"), key=lambda r: r["param_bytes"])[
-        "model"
-    ]
+    model = _largest_adamw(results)
     pick = {
         (r["label"], r["donate"]): r
         for r in results
