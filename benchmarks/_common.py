@@ -97,6 +97,13 @@ def tree_bytes(tree: Any) -> int:
 # Markdown.
 
 
+def temp_bytes(compiled: Any) -> int | None:
+    """A compiled program's temporary buffers (XLA's buffer assignment: what a call holds
+    besides its arguments and outputs), or None where the backend does not say."""
+    analysis = compiled.memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub markdown table."""
     fmt = lambda v: (f"{v:.3g}" if isinstance(v, float) else str(v)).replace("|", "\\|")

@@ -97,6 +97,9 @@ def test_micro_step(mlp):
             assert ops[0] == ops[1] and ops[2] == K * ops[0], ops
     assert "\n| MLP " in section.body.split("**Operations and bytes written per window**")[1]
     _assert_bytes_written(results, section.body)
+    # the temporaries table quotes each compiled program's buffer assignment
+    temporaries = section.body.split("**Temporary memory**")[1]
+    assert f"| yes | {ours['temp_bytes'] / ours['param_bytes']:.2f} P |" in temporaries
 
 
 def _assert_bytes_written(results: list[dict], body: str) -> None:

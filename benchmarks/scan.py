@@ -82,11 +82,6 @@ def _cores(results: list[dict]) -> str:
     )
 
 
-def temp_bytes(compiled) -> int | None:
-    analysis = compiled.memory_analysis()
-    return None if analysis is None else int(analysis.temp_size_in_bytes)
-
-
 def run(
     model: Model,
     *,
@@ -138,11 +133,11 @@ def run(
 def against_big_batch(programs: dict[str, Program], timings: dict[str, Timing]) -> list[dict]:
     """Each step's times and temporary memory, and their ratios to the big-batch step's."""
     big = timings["big batch"]
-    big_temp = temp_bytes(programs["big batch"].compiled)
+    big_temp = _common.temp_bytes(programs["big batch"].compiled)
     results = []
     for name, program in programs.items():
         t = timings[name]
-        temp = temp_bytes(program.compiled)
+        temp = _common.temp_bytes(program.compiled)
         results.append(
             {
                 "name": name,

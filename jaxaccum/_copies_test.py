@@ -1,9 +1,10 @@
 """The compiled step copies nothing that a window does not need, on every route.
 
-Read from the compiled HLO (``testkit.hlo``), never from timings: the ``copy``
-instructions of arrays shaped like a parameter (or a window sum's rows of one),
-on the path every call takes (``entry``) and on the boundary's (``loop``: the
-zero-or-one-trip loops, which run once per window).
+Read from the compiled program, never from timings: the ``copy`` instructions
+(``testkit.hlo``) of arrays shaped like a parameter (or a window sum's rows of
+one), on the path every call takes (``entry``) and on the boundary's (``loop``:
+the zero-or-one-trip loops, which run once per window); and the temporaries of
+XLA's buffer assignment (``memory_analysis``).
 
 * Donated (``donate_argnums`` on params and state): none at all. Between
   boundaries the loops make no trip and every buffer stays where it is; at the
@@ -14,6 +15,8 @@ zero-or-one-trip loops, which run once per window).
   buffer of its own; the inner state is an output that a micro-step does not
   change, so its value is written into that buffer (optax.MultiSteps writes
   the same bytes, recomputed). Nothing else, and nothing in the loops.
+* Temporaries, donated: one parameter-sized buffer, which holds the window
+  gradient and then the updates.
 """
 
 import jax
@@ -124,3 +127,38 @@ def test_nnx_donated_step_copies_nothing():
     batch = {"x": np.ones((3, 24), np.float32), "w": np.ones((3,), np.float32)}
     text = micro_step.lower(model, optimizer, batch).compile().as_text()
     assert window_copies(text) == {"entry": [], "loop": []}
+
+
+# -- The boundary's temporaries: the window gradient waits in the updates' buffer.
+
+WIDE = 8, 128  # leaves, width: 3 rows of activations weigh nothing beside the parameters
+WIDE_BYTES = WIDE[0] * WIDE[1] ** 2 * 4  # P
+
+
+def wide_loss(params, batch):
+    h = batch["x"]
+    for leaf in range(WIDE[0]):
+        h = jnp.tanh(h @ params[f"w{leaf}"])
+    return jnp.sum(batch["w"][:, None] * h**2), jnp.sum(batch["w"])
+
+
+@pytest.mark.parametrize("mode", ("one_device", "jit", "shard_map"))
+def test_donated_boundary_holds_one_parameter_sized_temporary(mode):
+    # XLA's buffer assignment (exact for a compiled program, no timing): the slot holds
+    # the window gradient, then the updates (1 P); the rest is a few small buffers (on a
+    # mesh 0.16 P). A window gradient apart from the slot is one more P: 2 P or more, as
+    # before 2026-12 (GSPMD, which all-reduces every micro-step, still holds 2 P)
+    rng = np.random.default_rng(0)
+    leaves = {
+        f"w{i}": rng.normal(0, 0.1, (WIDE[1], WIDE[1])).astype(np.float32) for i in range(WIDE[0])
+    }
+    tx = lambda axis: jaxaccum.multi_steps(optax.adamw(1e-2), K, axis_name=axis)
+    devices = 1 if mode == "one_device" else DEVICES
+    run = modes.data_parallel(tx, wide_loss, mode, devices, donate=True)
+    params, state = run.init(leaves)
+    batch = {
+        "x": np.ones((devices, 3, WIDE[1]), np.float32),
+        "w": np.ones((devices, 3), np.float32),
+    }
+    temp = run.compiled(params, state, batch).memory_analysis().temp_size_in_bytes
+    assert WIDE_BYTES <= temp < 1.5 * WIDE_BYTES, temp / WIDE_BYTES

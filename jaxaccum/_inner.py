@@ -80,11 +80,27 @@ class InnerCall:
     def step(self, slot: Any, inner_state: Any, window_grads: Any, params: Any, dynamic: dict):
         """The inner update into the slot, in the loop carry's types.
 
-        Dtypes, and shardings: an inner state sharded over the batch axis
-        (ZeRO-1) gives sharded updates, gathered here. Returns the whole carry.
+        ``window_grads`` None: the slot holds them (:func:`step_carry`). Dtypes,
+        and shardings: an inner state sharded over the batch axis (ZeRO-1) gives
+        sharded updates, gathered here. Returns the whole carry.
         """
-        updates, new_inner = self.update(window_grads, inner_state, params, dynamic)
+        grads = slot if window_grads is None else window_grads
+        updates, new_inner = self.update(grads, inner_state, params, dynamic)
         like = lambda x, y: _sharding.like(x.astype(y.dtype), y)
         updates = jax.tree.map(like, updates, slot)
         new_inner = jax.tree.map(like, new_inner, inner_state)
         return updates, new_inner, window_grads, params, dynamic
+
+
+def step_carry(slot: Any, inner_state: Any, window_grads: Any, params: Any, dynamic: dict):
+    """The carry of the loop that runs :meth:`InnerCall.step` at an applied boundary.
+
+    Where the window gradient has the updates' types (shape, dtype, sharding:
+    the common case), it travels in the slot, whose buffer then receives the
+    updates: one parameter-sized temporary at the boundary instead of two
+    (``docs/benchmarks.md`` section 1). Otherwise (say fp16 gradients, float32
+    updates) each keeps a buffer of its own.
+    """
+    if jax.tree.map(jax.typeof, window_grads) == jax.tree.map(jax.typeof, slot):
+        return window_grads, inner_state, None, params, dynamic
+    return slot, inner_state, window_grads, params, dynamic

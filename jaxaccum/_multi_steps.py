@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxaccum import _checks, _sharding
-from jaxaccum._inner import InnerCall, standard_promotion
+from jaxaccum._inner import InnerCall, standard_promotion, step_carry
 from jaxaccum._loss_scale import DynamicLossScale, next_loss_scale
 from jaxaccum._normalize import WindowTotals, clip_by_global_norm, normalize_window
 from jaxaccum._state import MultiStepsState, closed_window, first_record, items_dtype_for
@@ -231,7 +231,7 @@ def _close_window(settings, inner, slot, state, params, dynamic):
         fail = (~finite, state.micro_step, totals.loss, totals.grad_norm)
         jax.debug.callback(_checks.raise_if_nonfinite, *fail)
     window_grads = jax.tree.map(lambda g, t: g.astype(t.dtype), window_grads, inner.grad_types)
-    carry = (slot, state.inner_state, window_grads, params, dynamic)
+    carry = step_carry(slot, state.inner_state, window_grads, params, dynamic)
     slot, inner_state, *_ = _once_if(apply, inner.step, *carry)
     scale, good_windows = next_loss_scale(
         settings.loss_scaling,

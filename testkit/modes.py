@@ -43,14 +43,19 @@ class DataParallel:
       init: ``params -> (params, state)``, both placed for the mode.
       step: ``(params, state, batch, **update_kwargs) -> (params, state)``.
       one: a replicated output as one numpy copy (``pmap``/``vmap`` stack them).
-      hlo: ``(params, state, batch) -> `` the compiled micro-step's HLO text.
+      compiled: ``(params, state, batch) ->`` the compiled micro-step (its
+        ``memory_analysis()``: the buffers XLA assigned).
     """
 
     mode: str
     init: Callable[[Any], tuple[Any, Any]]
     step: Callable[..., tuple[Any, Any]]
     one: Callable[[Any], Any]
-    hlo: Callable[[Any, Any, Any], str]
+    compiled: Callable[[Any, Any, Any], Any]
+
+    def hlo(self, params: Any, state: Any, batch: Any) -> str:
+        """The compiled micro-step's HLO text."""
+        return self.compiled(params, state, batch).as_text()
 
 
 def mode_for(devices: int, *, lanes: bool = False) -> str:
@@ -156,11 +161,11 @@ def _jitted(mode: str, devices: int, tx, body: Callable, donated: dict) -> DataP
         with context():
             return jitted(params, state, placed(batch), **kw)
 
-    def hlo(params, state, batch):
+    def compiled(params, state, batch):
         with context():
-            return jitted.lower(params, state, placed(batch)).compile().as_text()
+            return jitted.lower(params, state, placed(batch)).compile()
 
-    return DataParallel(mode, init, step, jax.device_get, hlo)
+    return DataParallel(mode, init, step, jax.device_get, compiled)
 
 
 def _shard_mapped(devices: int, tx, body: Callable, donated: dict) -> DataParallel:
@@ -190,10 +195,10 @@ def _shard_mapped(devices: int, tx, body: Callable, donated: dict) -> DataParall
     def step(params, state, batch, **kw):
         return mapped(params, state, placed(batch), tuple(kw.values()), tuple(kw))
 
-    def hlo(params, state, batch):
-        return mapped.lower(params, state, placed(batch), (), ()).compile().as_text()
+    def compiled(params, state, batch):
+        return mapped.lower(params, state, placed(batch), (), ()).compile()
 
-    return DataParallel("shard_map", init, step, jax.device_get, hlo)
+    return DataParallel("shard_map", init, step, jax.device_get, compiled)
 
 
 def _stacked(mode: str, devices: int, tx, body: Callable) -> DataParallel:
@@ -218,5 +223,5 @@ def _stacked(mode: str, devices: int, tx, body: Callable) -> DataParallel:
             params, state, batch, tuple(kw.values()), tuple(kw)
         ),  # fmt: skip
         lambda x: jax.tree.map(lambda a: np.asarray(a)[0], x),
-        lambda params, state, batch: mapped.lower(params, state, batch, (), ()).compile().as_text(),
+        lambda params, state, batch: mapped.lower(params, state, batch, (), ()).compile(),
     )
