@@ -95,12 +95,16 @@ class InnerCall:
 def step_carry(slot: Any, inner_state: Any, window_grads: Any, params: Any, dynamic: dict):
     """The carry of the loop that runs :meth:`InnerCall.step` at an applied boundary.
 
-    Where the window gradient has the updates' types (shape, dtype, sharding:
-    the common case), it travels in the slot, whose buffer then receives the
-    updates: one parameter-sized temporary at the boundary instead of two
+    Where the window gradient has the updates' types (``jax.typeof`` of each
+    leaf: shape, dtype, weak type, sharding, varying axes; the common case), it
+    travels in the slot, whose buffer then receives the updates: one
+    parameter-sized temporary at the boundary instead of two
     (``docs/benchmarks.md`` section 1). Otherwise (say fp16 gradients, float32
-    updates) each keeps a buffer of its own.
+    updates) each keeps a buffer of its own. A skipped window leaves the window
+    gradient in the slot: ``update`` selects zeros in its place.
     """
-    if jax.tree.map(jax.typeof, window_grads) == jax.tree.map(jax.typeof, slot):
+    leaves = zip(jax.tree.leaves(window_grads), jax.tree.leaves(slot), strict=True)
+    same_tree = jax.tree.structure(window_grads) == jax.tree.structure(slot)
+    if same_tree and all(jax.typeof(g) == jax.typeof(u) for g, u in leaves):
         return window_grads, inner_state, None, params, dynamic
     return slot, inner_state, window_grads, params, dynamic
