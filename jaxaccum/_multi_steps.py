@@ -131,8 +131,7 @@ def multi_steps(
         slot = _sharding.updates_slot(grads, state.grad_sum, update_types, *settings.route)
         close_window = functools.partial(_close_window, settings, inner)
         slot, state, *_ = _once_if(close, close_window, slot, state, params, dynamic)
-        # zero unless this call applied an update: required, a skipped window leaves its
-        # gradient in the slot (a select: no NaN can leak)
+        # zeros unless this call applied an update: a select, as a skipped slot may hold NaN
         updates = jax.tree.map(lambda u: jnp.where(state.applied, u, 0).astype(u.dtype), slot)
         return updates, state
 
@@ -218,8 +217,7 @@ def _close_window(settings, inner, slot, state, params, dynamic):
 
     The inner optimizer runs only for an applied window, on the window gradient
     in the dtype of ``grads`` (a skipped one leaves it untouched, with no select
-    over its state to copy). The returned slot holds the updates, or for a
-    skipped window what the loop left in it, which ``update`` replaces by zeros.
+    over its state to copy, and a slot that ``update`` replaces by zeros).
     """
     totals = _window_totals(settings, state, inner.grad_types)
     window_grads, norm_clipped = clip_by_global_norm(
