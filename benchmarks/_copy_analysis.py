@@ -47,19 +47,29 @@ def _on_paths(found: list[dict], k: int, accumulating: bool, *, counted: str, su
     }
 
 
+def pairs(results: list[dict], k: int) -> list[tuple[dict, dict]]:
+    """``(jaxaccum, optax.MultiSteps)`` results of one model, inner optimizer and donation
+    at ``k``, in the results' order."""
+    by = {(r["model"], r["inner"], r["donate"], r["label"]): r for r in results if r["k"] == k}
+    theirs = lambda r: by.get((r["model"], r["inner"], r["donate"], LABELS[1]))
+    return [(r, theirs(r)) for r in by.values() if r["label"] == LABELS[0] and theirs(r)]
+
+
+def case_cells(r: dict) -> list[str]:
+    """A result's model, inner optimizer and donation, as a table row's first cells."""
+    return [r["model"], r["inner"], "yes" if r["donate"] else "no"]
+
+
 def operations_table(results: list[dict], k: int) -> str:
     """Operations and bytes written per window at ``k``, each model and donation: jaxaccum's
     next to optax's, and what the writes mean without donation."""
     ours_label, theirs_label = LABELS
-    at_k = {(r["model"], r["inner"], r["donate"], r["label"]): r for r in results if r["k"] == k}
     rows, written = [], lambda r: f"{r['window_written'] / r['param_bytes']:.1f} P"
-    for (model, inner, donate, label), ours in at_k.items():
-        theirs = at_k.get((model, inner, donate, theirs_label))
-        if label == ours_label and theirs:
-            n, m = ours["window_ops"], theirs["window_ops"]
-            bytes_ratio = ours["window_written"] / theirs["window_written"]
-            rows.append([model, inner, "yes" if donate else "no", str(n), str(m), f"{n / m:.2f}",
-                         written(ours), written(theirs), f"{bytes_ratio:.2f}"])  # fmt: skip
+    for ours, theirs in pairs(results, k):
+        n, m = ours["window_ops"], theirs["window_ops"]
+        bytes_ratio = ours["window_written"] / theirs["window_written"]
+        rows.append([*case_cells(ours), str(n), str(m), f"{n / m:.2f}", written(ours),
+                     written(theirs), f"{bytes_ratio:.2f}"])  # fmt: skip
     header = ["model", "inner", "donated", f"{ours_label}: operations / window",
               f"{theirs_label}: operations / window", "ratio", f"{ours_label}: written / window",
               f"{theirs_label}: written / window", "ratio"]  # fmt: skip

@@ -246,15 +246,11 @@ def _table(results: list[dict]) -> str:
 
 def _temporaries(at_k: list[dict], k: int) -> str:
     """The temporary memory of each compiled step at ``k``, jaxaccum's next to optax's."""
-    by = {(r["model"], r["inner"], r["donate"], r["label"]): r for r in at_k}
     in_p = lambda r: (
         "n/a" if r["temp_bytes"] is None else f"{r['temp_bytes'] / r['param_bytes']:.2f} P"
     )
-    rows = []
-    for (model, inner, donate, label), ours in by.items():
-        theirs = by.get((model, inner, donate, BASELINE))
-        if label == "jaxaccum" and theirs:
-            rows.append([model, inner, "yes" if donate else "no", in_p(ours), in_p(theirs)])
+    pairs = _copy_analysis.pairs(at_k, k)
+    rows = [[*_copy_analysis.case_cells(ours), in_p(ours), in_p(theirs)] for ours, theirs in pairs]
     header = ["model", "inner", "donated", "jaxaccum: temporaries", f"{BASELINE}: temporaries"]
     return "\n".join(
         [

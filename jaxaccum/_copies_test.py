@@ -67,14 +67,21 @@ def inner_state_types() -> list[str]:
 
 
 def compiled(mode: str, donate: bool, **options) -> str:
+    """The HLO text of the MLP's micro-step (AdamW) in ``mode``."""
+    return compiled_step(mode, donate, mlp_loss, mlp_params(), 24, **options).as_text()
+
+
+def compiled_step(mode: str, donate: bool, loss_fn, params: dict, width: int, **options):
+    """A micro-step of ``multi_steps(adamw, K)`` compiled in ``mode``, on 3 rows of ``width``
+    inputs a device."""
     tx = lambda axis: jaxaccum.multi_steps(optax.adamw(1e-2), K, axis_name=axis, **options)
     devices = 1 if mode == "one_device" else DEVICES
-    run = modes.data_parallel(tx, mlp_loss, mode, devices, donate=donate)
-    params, state = run.init(mlp_params())
+    run = modes.data_parallel(tx, loss_fn, mode, devices, donate=donate)
+    params, state = run.init(params)
     rng = np.random.default_rng(1)
-    batch = {"x": rng.normal(size=(devices, 3, 24)).astype(np.float32),
+    batch = {"x": rng.normal(size=(devices, 3, width)).astype(np.float32),
              "w": np.ones((devices, 3), np.float32)}  # fmt: skip
-    return run.hlo(params, state, batch)
+    return run.compiled(params, state, batch)
 
 
 ROUTES = ("one_device", "jit", "gspmd", "shard_map")
@@ -150,16 +157,9 @@ def test_donated_boundary_holds_one_parameter_sized_temporary(mode):
     # mesh 0.16 P). A window gradient apart from the slot is one more P: 2 P or more, as
     # before 2026-12 (GSPMD, which all-reduces every micro-step, still holds 2 P)
     rng = np.random.default_rng(0)
-    leaves = {
-        f"w{i}": rng.normal(0, 0.1, (WIDE[1], WIDE[1])).astype(np.float32) for i in range(WIDE[0])
+    width = WIDE[1]
+    params = {
+        f"w{i}": rng.normal(0, 0.1, (width, width)).astype(np.float32) for i in range(WIDE[0])
     }
-    tx = lambda axis: jaxaccum.multi_steps(optax.adamw(1e-2), K, axis_name=axis)
-    devices = 1 if mode == "one_device" else DEVICES
-    run = modes.data_parallel(tx, wide_loss, mode, devices, donate=True)
-    params, state = run.init(leaves)
-    batch = {
-        "x": np.ones((devices, 3, WIDE[1]), np.float32),
-        "w": np.ones((devices, 3), np.float32),
-    }
-    temp = run.compiled(params, state, batch).memory_analysis().temp_size_in_bytes
+    temp = compiled_step(mode, True, wide_loss, params, width).memory_analysis().temp_size_in_bytes
     assert 0 < temp < 1.5 * WIDE_BYTES, temp / WIDE_BYTES  # 0: the backend did not say
