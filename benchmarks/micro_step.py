@@ -18,6 +18,7 @@ boundaries and on the boundary's path.
 from __future__ import annotations
 
 import dataclasses
+import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,10 +51,11 @@ class Variant:
     batches: list[Any]
     hlo: str
     calls: list[list[tuple[float, float]]] = dataclasses.field(default_factory=list)
+    faults: list[int] = dataclasses.field(default_factory=list)  # minor page faults, per window
 
     def window(self) -> Any:
         """Runs one window (k calls, each blocked on), recording each call's time."""
-        times = []
+        times, faults = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for batch in self.batches:
             t0, c0 = time.perf_counter(), time.process_time()
             outputs = self.step(self.params, self.state, batch)  # optax's adds the loss
@@ -61,6 +63,7 @@ class Variant:
             self.params, self.state = outputs[:2]
             times.append((time.perf_counter() - t0, time.process_time() - c0))
         self.calls.append(times)
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
         return self.params
 
 
@@ -153,6 +156,7 @@ def _measured(cases: list[Case], k: int, rounds: int) -> list[dict]:
                             jax.eval_shape(INNERS[case.inner]().init, case.model.params)
                         ),
                         "windows": windows,
+                        "faults": _common.median(v.faults[1:]),
                         "temp_bytes": _common.temp_bytes(v.step),
                         **_copy_analysis.copies(
                             v.hlo, case.model.params, k, accumulating=accumulating
@@ -188,7 +192,11 @@ def _section(results: list[dict], k: int) -> Section:
         "a training loop logs: optax.MultiSteps' step returns it, jaxaccum's passes it to "
         "`update`, which records it. Copies: `copy` instructions "
         "of parameter-shaped arrays in the compiled program, on the path of a micro-step and "
-        "of the boundary call (in parentheses: their bytes / the parameters' bytes).",
+        "of the boundary call (in parentheses: their bytes / the parameters' bytes). Page "
+        "faults: the process's minor page faults in a window (median): glibc hands large freed "
+        "buffers back to the system and a later call faults their pages in again, in some "
+        "rounds and not others; where they are many, the rounds' ratios spread. Accelerators' "
+        "allocators keep their buffers.",
         "",
         _table(results),
     ]
@@ -235,12 +243,13 @@ def _table(results: list[dict]) -> str:
             f"{r['ratio_window_cpu']:.2f}",
             f"{r['between_copies']} ({per_p(r, 'between'):.1f}x)",
             f"{r['boundary_copies']} ({per_p(r, 'boundary'):.1f}x)",
+            f"{r['faults']:.0f}",
         ]
         for r in results
     ]
     header = ["model", "k", "inner", "donated", "variant", "micro-step wall", "micro-step CPU",
               "boundary wall", "window wall", "window CPU", "ratio wall", "ratio CPU",
-              "copies / micro-step", "copies / boundary"]  # fmt: skip
+              "copies / micro-step", "copies / boundary", "page faults / window"]  # fmt: skip
     return table(header, rows)
 
 
