@@ -104,8 +104,9 @@ def _not_donated_writes(at_k: list[dict]) -> list[str]:
     if set(pick) != set(LABELS):
         return []
     ours, theirs = pick[LABELS[0]], pick[LABELS[1]]
-    in_p = lambda r, where: r[f"{where}_written"] / r["param_bytes"]
-    micro, boundary, call = in_p(ours, "between"), in_p(ours, "boundary"), in_p(theirs, "between")
+    written_p = lambda r, where: r[f"{where}_written"] / r["param_bytes"]
+    micro, boundary = written_p(ours, "between"), written_p(ours, "boundary")
+    call = written_p(theirs, "between")
     floor = lambda k: (k * micro + 1) / (k * call)  # the boundary: a micro-step + the updates
     if floor(8) <= 1:  # a micro-step that writes less than optax's call: no bound to state
         return []
@@ -123,26 +124,18 @@ def _not_donated_writes(at_k: list[dict]) -> list[str]:
         "more per window than optax.MultiSteps for every k: at least "
         f"{floor(2):.2f}x, {floor(4):.2f}x and {floor(8):.2f}x at k = 2, 4 and 8, and "
         f"{compiled:.2f}x at k = {k} as compiled. Running the inner step on every call "
-        "instead, as optax.MultiSteps does, writes more, not less: a prototype that did so "
-        f"(measured on the 10M MLP on 2026-12-03) wrote {EVERY_CALL_WRITTEN:.2f} P per window "
-        f"at k = 4 without donation (this run at k = {k}: jaxaccum {in_p(ours, 'window'):.2f} P, "
-        f"optax.MultiSteps {in_p(theirs, 'window'):.2f} P): the boundary's passes (the "
-        "division, the norm, the reset), kept apart for the numbers' order, then run on every "
-        "call. It also writes the inner state on every micro-step of the donated program."
+        "instead, as optax.MultiSteps does, writes more, not less (on the 10M MLP: the "
+        "prototype under the table of earlier versions).",
     ]
 
 
-# Per-window copies (MLP 10 x 1000x1000, AdamW, k = 4; units of P) and CPU-time ratios of earlier
-# versions, measured by this benchmark: jaxaccum 0.1 on 2026-11-30, before the boundary's inner
-# update got its own loop and before the `lax.cond` variant was removed; jaxaccum 0.2 on
-# 2026-12-01, when the boundary still reset the sums to fresh zeros (docs/benchmarks.md of
-# those days); on 2026-12-03 a prototype that ran the inner step on every call, as
-# optax.MultiSteps does (`_once_if` computed its body and selected; 7 rounds; not kept).
+# Per-window copies (MLP 10 x 1000x1000, AdamW, k = 4; in P) and CPU-time ratios of earlier
+# versions, measured by this benchmark on the dates given (docs/benchmarks.md of those days; the
+# prototype of 2026-12-03, not kept: `_once_if` computed its body and selected; 7 rounds).
 HISTORY_MODEL, HISTORY_K = "MLP (10 x 1000x1000, 10.00M params)", 4
 HISTORY = {
-    "jaxaccum 0.1 (one while loop, select over the inner state), 2026-11-30": (
-        "7.6 P", "15.6 P", 0.81, 1.55,
-    ),
+    "jaxaccum 0.1 (one while loop, select over the inner state), 2026-11-30":
+        ("7.6 P", "15.6 P", 0.81, 1.55),
     "jaxaccum 0.1, lax.cond boundary (removed), 2026-11-30": ("20.6 P", "12.6 P", 1.48, 1.22),
     "jaxaccum 0.2, sums reset to fresh zeros, 2026-12-01": ("2.0 P", "10.0 P", 0.76, 1.23),
     "inner step on every call (prototype, not kept), 2026-12-03": ("8.0 P", "0.0 P", 1.66, 1.41),
@@ -292,9 +285,16 @@ def against_history(ours: dict, ours_nd: dict) -> str:
         [
             "Per window, against earlier versions (copies in P; per-window CPU-time ratio "
             "against optax.MultiSteps; the earlier rows are not from this run: this benchmark "
-            "measured them on the dates they give, before 2026-12-03 against an "
+            "measured them on the dates they give; those before 2026-12-03 against an "
             "optax.MultiSteps step that did not compute the loss):",
             "",
             table(header, history),
+            "",
+            "The prototype ran the inner step on every call and kept its result at the "
+            "boundary only, as optax.MultiSteps does. Without donation it wrote "
+            f"{EVERY_CALL_WRITTEN:.2f} P per window, where jaxaccum writes "
+            f"{ours_nd['window_written'] / ours_nd['param_bytes']:.2f} P in this run: in it the "
+            "boundary's passes (the division, the norm, the reset), kept apart for the numbers' "
+            "order, ran on every call. Donated, it also wrote the inner state on every call.",
         ]
     )

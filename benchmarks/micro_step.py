@@ -54,8 +54,10 @@ class Variant:
     faults: list[int] = dataclasses.field(default_factory=list)  # minor page faults, per window
 
     def window(self) -> Any:
-        """Runs one window (k calls, each blocked on), recording each call's time."""
-        times, faults = [], resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        """Runs one window (k calls, each blocked on), recording each call's time and the
+        window's minor page faults."""
+        times = []
+        faults_before = _minor_faults()
         for batch in self.batches:
             t0, c0 = time.perf_counter(), time.process_time()
             outputs = self.step(self.params, self.state, batch)  # optax's adds the loss
@@ -63,8 +65,13 @@ class Variant:
             self.params, self.state = outputs[:2]
             times.append((time.perf_counter() - t0, time.process_time() - c0))
         self.calls.append(times)
-        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        self.faults.append(_minor_faults() - faults_before)
         return self.params
+
+
+def _minor_faults() -> int:
+    """The process's minor page faults so far (pages mapped in at their first touch)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def build(model: Model, label: str, inner: str, donate: bool, k: int, rows: int) -> Variant:
@@ -156,7 +163,7 @@ def _measured(cases: list[Case], k: int, rounds: int) -> list[dict]:
                             jax.eval_shape(INNERS[case.inner]().init, case.model.params)
                         ),
                         "windows": windows,
-                        "faults": _common.median(v.faults[1:]),
+                        "faults": v.faults[1:],  # the first window was the warm-up
                         "temp_bytes": _common.temp_bytes(v.step),
                         **_copy_analysis.copies(
                             v.hlo, case.model.params, k, accumulating=accumulating
@@ -193,10 +200,10 @@ def _section(results: list[dict], k: int) -> Section:
         "`update`, which records it. Copies: `copy` instructions "
         "of parameter-shaped arrays in the compiled program, on the path of a micro-step and "
         "of the boundary call (in parentheses: their bytes / the parameters' bytes). Page "
-        "faults: the process's minor page faults in a window (median): glibc hands large freed "
-        "buffers back to the system and a later call faults their pages in again, in some "
-        "rounds and not others; where they are many, the rounds' ratios spread. Accelerators' "
-        "allocators keep their buffers.",
+        "faults: the process's minor page faults in a window (median [rounds lo-hi]): glibc "
+        "hands large freed buffers back to the system and a later call faults their pages in "
+        "again, in some rounds and not others, which a timing counts; an accelerator's "
+        "allocator keeps its buffers.",
         "",
         _table(results),
     ]
@@ -243,7 +250,7 @@ def _table(results: list[dict]) -> str:
             f"{r['ratio_window_cpu']:.2f}",
             f"{r['between_copies']} ({per_p(r, 'between'):.1f}x)",
             f"{r['boundary_copies']} ({per_p(r, 'boundary'):.1f}x)",
-            f"{r['faults']:.0f}",
+            f"{_common.median(r['faults']):.0f} [{min(r['faults'])}-{max(r['faults'])}]",
         ]
         for r in results
     ]

@@ -23,8 +23,8 @@ Two other markers:
   (how long ``make demo`` takes); not checked, and it covers the one number
   before it;
 * ``<!-- output: 09 -->`` on the line before a fenced block: every line of the
-  block but ``...`` is a line that source printed (a number of float32's rounding,
-  ``8.5e-07``, by its order: :data:`AT_ROUNDING`).
+  block but ``...`` is a line that source printed (a number below 1e-04 printed as
+  ``8.5e-07``, float32's rounding, by its order: :data:`AT_ROUNDING`).
 
 **No number of the prose is left unmarked**, except (``_headlines.NOT_QUOTED``):
 
@@ -70,9 +70,9 @@ TABLES_CHECKED_ELSEWHERE = {"docs/bad-inputs.md"}
 
 
 AT_ROUNDING = re.compile(r"\b\d\.\d+e-(0[5-9]|[1-9]\d)\b")
-"""A printed number of float32's rounding (1e-05 and below, in scientific notation): its
-digits differ from one CPU to another (lesson 09's residual reads 8.5e-07 on one and 8.6e-07
-on another), its order does not. An output block is compared to the print by that order."""
+"""A number below 1e-04 printed as ``d.de-05`` or smaller, float32's rounding: its digits
+differ from one CPU to another (lesson 09's residual reads 8.5e-07 on one and 8.6e-07 on
+another), its order does not. An output block is compared to the print by that order."""
 
 
 def at_rounding(line: str) -> str:
