@@ -1,0 +1,66 @@
+"""`jax_trainers.table.each_program_compiled_once`: what the trainers' audits compile again
+is read back, and JAX's options are as they were afterwards.
+
+Runs everywhere (JAX only): the trainers themselves run in ``trainers_test.py``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from jax_trainers import table
+
+HIT = "/jax/compilation_cache/cache_hits"
+"""The event JAX records when it reads an executable from its persistent cache."""
+
+
+def compile_anew(program, x) -> None:
+    """Jits ``program`` through a new function object, as each trainer does: JAX's in-memory
+    caches, keyed by the function, miss."""
+    jax.jit(lambda v: program(v)).lower(x).compile()
+
+
+def events_of(block) -> list[str]:
+    """The events JAX records while ``block()`` runs."""
+    events = []
+    listener = lambda event, **_: events.append(event)
+    jax.monitoring.register_event_listener(listener)
+    try:
+        block()
+    finally:
+        jax.monitoring.unregister_event_listener(listener)
+    return events
+
+
+def test_a_program_jitted_anew_is_compiled_once_and_another_program_is_compiled():
+    x = jnp.arange(8.0)
+    before = {name: getattr(jax.config, name) for name in table.CACHE_EVERY_PROGRAM}
+    seen = {}
+
+    def block():
+        with table.each_program_compiled_once():
+            seen["directory"] = jax.config.jax_compilation_cache_dir
+            for _ in range(3):
+                compile_anew(lambda v: jnp.sin(v) * 3.0, x)
+            compile_anew(lambda v: jnp.cos(v) * 3.0, x)
+
+    # the sine's program compiled once and read back twice; the cosine's is another program
+    assert events_of(block).count(HIT) == 2
+    assert jax.config.jax_compilation_cache_dir is None
+    assert not os.path.exists(seen["directory"])
+    assert {name: getattr(jax.config, name) for name in table.CACHE_EVERY_PROGRAM} == before
+    # outside the block, nothing is read back
+    assert events_of(lambda: compile_anew(lambda v: jnp.sin(v) * 3.0, x)).count(HIT) == 0
+
+
+def test_a_cache_directory_set_already_is_left_as_it_is(tmp_path):
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    try:
+        with table.each_program_compiled_once():
+            inside = jax.config.jax_compilation_cache_dir
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+    assert inside == str(tmp_path)
