@@ -111,27 +111,12 @@ def maxtext_rows(devices: int) -> list[Measured]:
     return [Measured(**row) for row in json.loads(lines[-1][len(ROWS_LINE) :])]
 
 
-def run_all() -> list[Measured]:
-    """Every row (this process must have 8 fake CPU devices for Tunix's meshes).
-
-    MaxText's step runs in processes of its own, beside Tunix's audits in this one;
-    Tunix's programs are each compiled once (`each_program_compiled_once`).
-    """
-    from jax_trainers import maxtext_sft, tunix_grpo, tunix_sft
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as beside:
-        maxtext = beside.submit(lambda: maxtext_rows(1) + maxtext_rows(2))
-        with each_program_compiled_once():
-            rows = tunix_sft.measured() + tunix_grpo.measured()
-        rows += maxtext.result()
-    return rows + maxtext_sft.measured()
-
-
 CACHE_EVERY_PROGRAM = {
     "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_persistent_cache_min_entry_size_bytes": 0,
+    "jax_persistent_cache_min_entry_size_bytes": -1,
 }
-"""JAX's thresholds of the persistent cache, lowered so that it keeps every program."""
+"""JAX's thresholds of the persistent cache, lowered so that it keeps every program (-1: no
+size limit, and none that a file system overrides)."""
 
 
 @contextlib.contextmanager
@@ -141,9 +126,9 @@ def each_program_compiled_once():
     Each audited run builds its trainer afresh, and the trainer jits its steps anew, so
     JAX's in-memory cache misses even for a program compiled before (a GRPO row without
     empty completions runs the programs of the row with them). The persistent cache keys
-    an executable by its whole program, compiler options and versions, so only the same
-    program is reused. The directory is removed at the end, and JAX's options are
-    restored; a cache directory set already is left as it is.
+    an executable by its whole program, compiler options, devices, XLA flags and
+    versions, so only the same program is reused. The directory is removed at the end,
+    and JAX's options are restored; a cache directory set already is left as it is.
     """
     import jax
 
@@ -167,6 +152,23 @@ def _configure_cache(settings: dict) -> None:
     for name, value in settings.items():
         jax.config.update(name, value)
     compilation_cache.reset_cache()
+
+
+def run_all() -> list[Measured]:
+    """Every row (this process must have 8 fake CPU devices for Tunix's meshes).
+
+    MaxText's step runs in processes of its own, beside Tunix's audits in this one (an
+    error in Tunix's is raised once they have ended); Tunix's programs are each compiled
+    once (`each_program_compiled_once`).
+    """
+    from jax_trainers import maxtext_sft, tunix_grpo, tunix_sft
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as beside:
+        maxtext = beside.submit(lambda: maxtext_rows(1) + maxtext_rows(2))
+        with each_program_compiled_once():
+            rows = tunix_sft.measured() + tunix_grpo.measured()
+        rows += maxtext.result()
+    return rows + maxtext_sft.measured()
 
 
 def record(rows: list[Measured], lesson_output: str) -> None:

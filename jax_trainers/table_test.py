@@ -6,7 +6,9 @@ Runs everywhere (JAX only): the trainers themselves run in ``trainers_test.py``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +26,9 @@ def compile_anew(program, x) -> None:
 
 
 def events_of(block) -> list[str]:
-    """The events JAX records while ``block()`` runs."""
-    events = []
-    listener = lambda event, **_: events.append(event)
+    """The events JAX records in this thread while ``block()`` runs."""
+    events, thread = [], threading.get_ident()
+    listener = lambda event, **_: threading.get_ident() == thread and events.append(event)
     jax.monitoring.register_event_listener(listener)
     try:
         block()
@@ -35,6 +37,19 @@ def events_of(block) -> list[str]:
     return events
 
 
+@contextlib.contextmanager
+def cache_directory(directory: str | None):
+    """JAX's cache directory set to ``directory`` for the block (a user's setting, such as
+    ``JAX_COMPILATION_CACHE_DIR``, is put back after it)."""
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", directory)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+@cache_directory(None)
 def test_a_program_jitted_anew_is_compiled_once_and_another_program_is_compiled():
     x = jnp.arange(8.0)
     before = {name: getattr(jax.config, name) for name in table.CACHE_EVERY_PROGRAM}
@@ -49,6 +64,8 @@ def test_a_program_jitted_anew_is_compiled_once_and_another_program_is_compiled(
 
     # the sine's program compiled once and read back twice; the cosine's is another program
     assert events_of(block).count(HIT) == 2
+    # afterwards no cache is set and its directory is gone: nothing is left on disk or
+    # read from it, and the thresholds are the user's again
     assert jax.config.jax_compilation_cache_dir is None
     assert not os.path.exists(seen["directory"])
     assert {name: getattr(jax.config, name) for name in table.CACHE_EVERY_PROGRAM} == before
@@ -57,10 +74,7 @@ def test_a_program_jitted_anew_is_compiled_once_and_another_program_is_compiled(
 
 
 def test_a_cache_directory_set_already_is_left_as_it_is(tmp_path):
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
-    try:
-        with table.each_program_compiled_once():
-            inside = jax.config.jax_compilation_cache_dir
-    finally:
-        jax.config.update("jax_compilation_cache_dir", None)
-    assert inside == str(tmp_path)
+    # the user's cache stays theirs: neither replaced in the block nor removed after it
+    with cache_directory(str(tmp_path)), table.each_program_compiled_once():
+        inside = jax.config.jax_compilation_cache_dir
+    assert inside == str(tmp_path) and tmp_path.exists()
