@@ -135,13 +135,14 @@ def each_program_compiled_once():
     if jax.config.jax_compilation_cache_dir is not None:
         yield
         return
-    before = {name: getattr(jax.config, name) for name in CACHE_EVERY_PROGRAM}
     with tempfile.TemporaryDirectory(prefix="jax-trainers-programs-") as directory:
-        _configure_cache({**CACHE_EVERY_PROGRAM, "jax_compilation_cache_dir": directory})
+        settings = {**CACHE_EVERY_PROGRAM, "jax_compilation_cache_dir": directory}
+        before = {name: getattr(jax.config, name) for name in settings}
+        _configure_cache(settings)
         try:
             yield
         finally:
-            _configure_cache({**before, "jax_compilation_cache_dir": None})
+            _configure_cache(before)
 
 
 def _configure_cache(settings: dict) -> None:
