@@ -39,7 +39,8 @@ demo: $(STAMP)
 
 # Everything: unit tests, processes, the parity suite, the lessons, benchmark smoke runs, on 2
 # workers; loadfile hands each test file to one worker, so a module's shared run (the parity
-# suite's, a checkpointed run's) is computed once.
+# suite's, a checkpointed run's) is computed once (and the files that read the lessons' runs
+# go to one worker together: conftest.py's scheduler).
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not full"
 

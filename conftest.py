@@ -70,6 +70,27 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+# Test files that read the same runs (examples/_headlines.py: each lesson and the Flax
+# example's 25 updates, run once per process): `--dist loadfile` hands them to one worker
+# together, so `make test` computes each run once, not once per worker.
+SHARED_RUNS = {"examples/lessons_test.py", "examples/docs_numbers_test.py",
+               "examples/flax_lm/flax_lm_test.py"}  # fmt: skip
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: called only with `-n`
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler for that mode
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedRunsOnOneWorker(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            test_file = super()._split_scope(nodeid)
+            return "examples/_headlines.py" if test_file in SHARED_RUNS else test_file
+
+    return SharedRunsOnOneWorker(config, log)
+
+
 @pytest.fixture(autouse=True)
 def _one_torch_thread():
     """torch on one intra-op thread in tests that use it: the tiny models gain nothing
