@@ -3,13 +3,14 @@ that read the lessons' runs are one unit of work, every other file one of its ow
 
 from __future__ import annotations
 
-import pathlib
-
 import pytest
 
-import conftest
 
-ROOT = pathlib.Path(conftest.__file__).parent
+@pytest.fixture
+def conftest(pytestconfig):
+    """The repository's conftest.py as pytest loaded it (another directory's conftest.py may
+    hold the module name ``conftest``)."""
+    return pytestconfig.pluginmanager.get_plugin(str(pytestconfig.rootpath / "conftest.py"))
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def loadfile_on_two_workers(pytestconfig, monkeypatch):
     return pytestconfig
 
 
-def test_the_files_reading_the_lessons_runs_share_a_worker(loadfile_on_two_workers):
+def test_the_files_reading_the_lessons_runs_share_a_worker(conftest, loadfile_on_two_workers):
     scheduler = conftest.pytest_xdist_make_scheduler(config=loadfile_on_two_workers, log=None)
     unit = scheduler._split_scope
     shared = {unit(f"{test_file}::test_x[01]") for test_file in conftest.SHARED_RUNS}
@@ -34,8 +35,11 @@ def test_the_files_reading_the_lessons_runs_share_a_worker(loadfile_on_two_worke
     )
 
 
-def test_the_shared_files_exist_and_other_modes_keep_xdist_s_scheduler(loadfile_on_two_workers):
+def test_the_shared_files_exist_and_other_modes_keep_xdist_s_scheduler(
+    conftest, loadfile_on_two_workers
+):
     # a renamed file would quietly leave the group and its runs would be computed twice
-    assert all((ROOT / test_file).is_file() for test_file in conftest.SHARED_RUNS)
+    root = loadfile_on_two_workers.rootpath
+    assert all((root / test_file).is_file() for test_file in conftest.SHARED_RUNS)
     loadfile_on_two_workers.option.dist = "load"  # `make test-fast`: one test at a time
     assert conftest.pytest_xdist_make_scheduler(config=loadfile_on_two_workers, log=None) is None
