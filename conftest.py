@@ -1,5 +1,7 @@
-"""Test-wide setup: 8 fake CPU devices for JAX, set before any JAX operation; strict numerics."""
+"""Test-wide setup: 8 fake CPU devices for JAX, set before any JAX operation; strict numerics;
+each program compiled once per process."""
 
+import contextlib
 import importlib.util
 import os
 import sys
@@ -13,6 +15,21 @@ jax.config.update("jax_num_cpu_devices", 8)
 # Strict: an implicit dtype promotion or rank broadcast in the project's code is an error.
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+from testkit.compile_cache import each_program_compiled_once  # noqa: E402
+
+# Each test process compiles each program once (tests build their train steps afresh): JAX's
+# persistent cache, in a temporary directory of this process, for the whole session.
+_SESSION = contextlib.ExitStack()
+
+
+def pytest_configure(config):
+    _SESSION.enter_context(each_program_compiled_once())
+
+
+def pytest_unconfigure(config):
+    _SESSION.close()
+
 
 # examples/ are lessons and scripts: examples/lessons_test.py runs them as a user
 # would; --doctest-modules must not import them as modules.

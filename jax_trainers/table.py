@@ -13,7 +13,6 @@ the environments without the trainers show the recorded results, labelled as suc
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -22,7 +21,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import tempfile
 
 from jax_trainers.rows import Measured
 from parity_tests import docs_blocks
@@ -111,50 +109,6 @@ def maxtext_rows(devices: int) -> list[Measured]:
     return [Measured(**row) for row in json.loads(lines[-1][len(ROWS_LINE) :])]
 
 
-CACHE_EVERY_PROGRAM = {
-    "jax_persistent_cache_min_compile_time_secs": 0.0,
-    "jax_persistent_cache_min_entry_size_bytes": -1,
-}
-"""JAX's thresholds of the persistent cache, lowered so that it keeps every program (-1: no
-size limit, and none that a file system overrides)."""
-
-
-@contextlib.contextmanager
-def each_program_compiled_once():
-    """JAX's persistent compilation cache in a temporary directory, for the block.
-
-    Each audited run builds its trainer afresh, and the trainer jits its steps anew, so
-    JAX's in-memory cache misses even for a program compiled before (a GRPO row without
-    empty completions runs the programs of the row with them). The persistent cache keys
-    an executable by its whole program, compiler options, devices, XLA flags and
-    versions, so only the same program is reused. The directory is removed at the end,
-    and JAX's options are restored; a cache directory set already is left as it is.
-    """
-    import jax
-
-    if jax.config.jax_compilation_cache_dir is not None:
-        yield
-        return
-    with tempfile.TemporaryDirectory(prefix="jax-trainers-programs-") as directory:
-        settings = {**CACHE_EVERY_PROGRAM, "jax_compilation_cache_dir": directory}
-        before = {name: getattr(jax.config, name) for name in settings}
-        _configure_cache(settings)
-        try:
-            yield
-        finally:
-            _configure_cache(before)
-
-
-def _configure_cache(settings: dict) -> None:
-    """Sets JAX's options and has its compilation cache read them again."""
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
-
-    for name, value in settings.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
-
-
 def run_all() -> list[Measured]:
     """Every row (this process must have 8 fake CPU devices for Tunix's meshes).
 
@@ -163,6 +117,7 @@ def run_all() -> list[Measured]:
     once (`each_program_compiled_once`).
     """
     from jax_trainers import maxtext_sft, tunix_grpo, tunix_sft
+    from testkit.compile_cache import each_program_compiled_once
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as beside:
         maxtext = beside.submit(lambda: maxtext_rows(1) + maxtext_rows(2))

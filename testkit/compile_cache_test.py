@@ -1,7 +1,8 @@
-"""`jax_trainers.table.each_program_compiled_once`: what the trainers' audits compile again
-is read back, and JAX's options are as they were afterwards.
+"""`testkit.compile_cache.each_program_compiled_once`: what is compiled again is read back,
+and JAX's options are as they were afterwards.
 
-Runs everywhere (JAX only): the trainers themselves run in ``trainers_test.py``.
+The test session holds a cache of its own open (conftest.py): each test sets the directory
+it needs for its block.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
-from jax_trainers import table
+from testkit import compile_cache
 
 HIT = "/jax/compilation_cache/cache_hits"
 """The event JAX records when it reads an executable from its persistent cache."""
@@ -52,11 +53,11 @@ def cache_directory(directory: str | None):
 @cache_directory(None)
 def test_a_program_jitted_anew_is_compiled_once_and_another_program_is_compiled():
     x = jnp.arange(8.0)
-    before = {name: getattr(jax.config, name) for name in table.CACHE_EVERY_PROGRAM}
+    before = {name: getattr(jax.config, name) for name in compile_cache.CACHE_EVERY_PROGRAM}
     seen = {}
 
     def block():
-        with table.each_program_compiled_once():
+        with compile_cache.each_program_compiled_once():
             seen["directory"] = jax.config.jax_compilation_cache_dir
             for _ in range(3):
                 compile_anew(lambda v: jnp.sin(v) * 3.0, x)
@@ -68,13 +69,22 @@ def test_a_program_jitted_anew_is_compiled_once_and_another_program_is_compiled(
     # read from it, and the thresholds are the user's again
     assert jax.config.jax_compilation_cache_dir is None
     assert not os.path.exists(seen["directory"])
-    assert {name: getattr(jax.config, name) for name in table.CACHE_EVERY_PROGRAM} == before
+    assert {name: getattr(jax.config, name) for name in compile_cache.CACHE_EVERY_PROGRAM} == before
     # outside the block, nothing is read back
     assert events_of(lambda: compile_anew(lambda v: jnp.sin(v) * 3.0, x)).count(HIT) == 0
 
 
 def test_a_cache_directory_set_already_is_left_as_it_is(tmp_path):
     # the user's cache stays theirs: neither replaced in the block nor removed after it
-    with cache_directory(str(tmp_path)), table.each_program_compiled_once():
+    with cache_directory(str(tmp_path)), compile_cache.each_program_compiled_once():
         inside = jax.config.jax_compilation_cache_dir
     assert inside == str(tmp_path) and tmp_path.exists()
+
+
+def test_the_session_reads_back_a_program_compiled_anew():
+    # conftest.py holds a cache open for the session: a train step a test builds afresh is
+    # read back, not compiled again (the first compile may itself be read back: a program
+    # an earlier test compiled)
+    x = jnp.arange(8.0)
+    compile_anew(lambda v: jnp.tan(v) + 1.0, x)
+    assert events_of(lambda: compile_anew(lambda v: jnp.tan(v) + 1.0, x)).count(HIT) == 1
