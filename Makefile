@@ -90,7 +90,7 @@ $(STAMP_TRAINERS): pyproject.toml constraints-latest.txt constraints-jax-trainer
 
 # Tunix's PeftTrainer and GRPOLearner, MaxText's train step and SFT trainer, as they ship, under
 # jaxaccum.audit: each verdict, the fixes, docs/jax-trainers.json against a fresh run, lesson 11
-# and the numbers of docs/jax-trainers.md (its own CI step; see the README for its time).
+# and the numbers of docs/jax-trainers.md (CI runs it beside `make test`: .ci/run; see the README for its time).
 jax-trainers: $(STAMP_TRAINERS)
 	$(VENV_TRAINERS)/bin/python -m pytest -q -n 2 --dist loadfile jax_trainers \
 		examples/lessons_test.py examples/docs_numbers_test.py -k "trainers or record or 11_"

@@ -19,7 +19,8 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 from testkit.compile_cache import each_program_compiled_once  # noqa: E402
 
 # Each test process compiles each program once (tests build their train steps afresh): JAX's
-# persistent cache, in a temporary directory of this process, for the whole session.
+# persistent cache, in a temporary directory of this process, for the whole session (with
+# JAX_COMPILATION_CACHE_DIR set, that cache is used as it is, with JAX's thresholds).
 _SESSION = contextlib.ExitStack()
 
 

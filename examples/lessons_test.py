@@ -4,8 +4,8 @@ Each lesson asserts the numbers it prints (each assertion with its tolerance
 and reason) and exports the ones the docs quote (``HEADLINE``); here it must
 run to the end. The lessons run in this process (one JAX start-up, the 8 fake
 CPU devices of ``conftest.py``), once: ``docs_numbers_test.py`` checks the
-docs against the same runs, by name (under ``pytest -n``, ``conftest.py`` hands
-both files to one worker).
+docs against the same runs, by name (under ``--dist loadfile``, ``conftest.py``
+hands the files that read these runs to one worker).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ def loadfile_on_two_workers(pytestconfig, monkeypatch):
 
 def test_the_files_reading_the_lessons_runs_share_a_worker(conftest, loadfile_on_two_workers):
     scheduler = conftest.pytest_xdist_make_scheduler(config=loadfile_on_two_workers, log=None)
+    # pytest-xdist (3.8, pinned) asks a scheduler's _split_scope for each test's unit of work
     unit = scheduler._split_scope
     shared = {unit(f"{test_file}::test_x[01]") for test_file in conftest.SHARED_RUNS}
     assert shared == {"examples/_headlines.py"}  # one unit: each run computed by one worker
