@@ -51,15 +51,13 @@ session's, conftest.py's, is set aside for the block)."""
 @contextlib.contextmanager
 def jax_options(**settings):
     """JAX's options set to ``settings`` for the block, and put back after it (the session's
-    cache, or a user's ``JAX_COMPILATION_CACHE_DIR``)."""
+    cache, or a user's ``JAX_COMPILATION_CACHE_DIR``), as the module under test sets them."""
     before = {name: getattr(jax.config, name) for name in settings}
-    for name, value in settings.items():
-        jax.config.update(name, value)
+    compile_cache._configure_cache(settings)
     try:
         yield
     finally:
-        for name, value in before.items():
-            jax.config.update(name, value)
+        compile_cache._configure_cache(before)
 
 
 @jax_options(**JAX_DEFAULTS)
