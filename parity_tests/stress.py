@@ -9,7 +9,11 @@ two gloo ranks (`torch_ref.ddp.run`), cycling through `KINDS`:
 * ``hf_trainer``: `torch_ref.audit.audit_hf_trainer` on a tiny GPT-2 (verdict
   ``exact`` checked);
 * ``trl``: `torch_ref.audit.audit_trl_grpo` (TRL's GRPOTrainer), the cuts
-  ``dr_grpo`` GA 2 and ``bnpo`` GA 1 in turn.
+  ``dr_grpo`` GA 2 and ``bnpo`` GA 1 in turn;
+* ``torchrun``: a parity scenario (two AdamW windows of the tiny GPT) on two
+  ranks started by torchrun (`parity_tests.torch_launch`), whose ranks end
+  their interpreters (the others are forks that do not), its records checked
+  equal to the in-process launcher's.
 
 It prints each death's error (the rank's traceback and every rank's last stderr
 lines), then the launches, deaths and wrong answers per kind, and exits with 1
@@ -19,21 +23,30 @@ when there was any. Example: ``python -m parity_tests.stress --launches 6 --burn
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import torch_ref
-from tinygpt.torch_testing import tiny_gpt2
+from parity_tests.torch_launch import TORCHRUN_ENV, load_result, save_scenario, torchrun_command
+from parity_tests.torch_ranks import run_scenario
+from parity_tests.torch_scenario import AdamW, Scenario, split_window
+from testkit import run_bounded
+from tinygpt.torch_gpt import TinyGPT, export_state_dict
+from tinygpt.torch_testing import CONFIG, skewed_batch, tiny_gpt2
 from torch_ref import ddp
 
-KINDS = ("ddp", "hf_trainer", "trl")
+KINDS = ("ddp", "hf_trainer", "trl", "torchrun")
 TRL_CUTS = (("dr_grpo", 2), ("bnpo", 1))  # (loss type, GA): the cuts once seen dying under load
 
 
@@ -79,7 +92,31 @@ def _trl(launch: int) -> None:
     )
 
 
-LAUNCHES = {"ddp": _ddp, "hf_trainer": _hf_trainer, "trl": _trl}
+@functools.cache
+def _scenario() -> tuple[Scenario, list[dict]]:
+    """The torchrun launches' scenario and its records from the in-process launcher."""
+    windows = [split_window(*skewed_batch(seed), 2, 2) for seed in range(2)]
+    weights = export_state_dict(TinyGPT(CONFIG, seed=0))
+    scenario = Scenario(config=CONFIG, weights=weights, windows=windows, optimizer=AdamW(1e-3))
+    return scenario, run_scenario(scenario).records
+
+
+def _torchrun(launch: int) -> None:
+    scenario, expected = _scenario()
+    with tempfile.TemporaryDirectory(prefix="stress_torchrun_") as tmp:
+        files = (Path(tmp, "scenario.npz"), Path(tmp, "result.npz"))
+        save_scenario(files[0], scenario)
+        env = dict(os.environ, **TORCHRUN_ENV)
+        returncode, out, err = run_bounded(torchrun_command(*files), timeout=240, env=env)
+        if returncode != 0:
+            last = "\n".join((out + err).splitlines()[-ddp.STDERR_LINES :])
+            raise RuntimeError(f"torchrun exited with {returncode}; its last lines:\n{last}")
+        records = load_result(files[1]).records
+    if records != expected:  # the same function on 2 gloo ranks: bitwise equal
+        raise AssertionError(f"torchrun's records {records} differ from {expected}")
+
+
+LAUNCHES = {"ddp": _ddp, "hf_trainer": _hf_trainer, "trl": _trl, "torchrun": _torchrun}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -101,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             except AssertionError as error:
                 wrong[kind] += 1
                 outcome = f"WRONG: {error}"
-            except RuntimeError as error:  # torch_ref.ddp.run's: a rank failed, died or hung
+            except (RuntimeError, TimeoutError) as error:  # a rank failed, died or hung
                 deaths[kind] += 1
                 outcome = f"DIED:\n{error}"
             seconds[kind].append(time.monotonic() - start)

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import gc
 import json
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,6 +130,22 @@ def load_result(path: str | os.PathLike) -> ScenarioResult:
         )
 
 
+TORCHRUN_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+"""Environment for `torchrun_command` on one host: gloo on the loopback, one thread per rank."""
+
+
+def torchrun_command(scenario: str | os.PathLike, result: str | os.PathLike) -> list[str]:
+    """The command that runs a saved scenario on two local ranks under torchrun.
+
+    ``--standalone``: torchrun's agent binds its store on a port the OS picks
+    (port 0) and holds it; a port picked here would be released, then bound by
+    torchrun later, and another job may take it in between.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
+    cmd += ["--standalone", "--local-addr=127.0.0.1", "-m", "parity_tests.torch_launch"]
+    return cmd + [os.fspath(scenario), os.fspath(result)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one rank of a saved scenario (all of them under torchrun); rank 0 writes the result.
 
@@ -162,14 +177,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     torch.set_num_threads(1)  # the ranks share the host's cores
     backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout_s))
-    try:
+    with ddp.process_group(backend, args.timeout_s):  # left before the interpreter exits
         result = run_on_rank(scenario, rank, world_size, ddp.current_device())
         every_rank: list[Any] = [None] * world_size
         dist.all_gather_object(every_rank, result.records)
-    finally:
-        gc.collect()  # the run's DDP, in reference cycles, before the group (torch_ref.ddp)
-        dist.destroy_process_group()
     if rank == 0:
         result.rank_records = every_rank
         save_result(args.result, result)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,11 +17,13 @@ import pytest
 pytest.importorskip("torch", reason="needs torch: no CPU build for this Python here")
 
 from parity_tests.torch_launch import (  # noqa: E402
+    TORCHRUN_ENV,
     load_result,
     load_scenario,
     main,
     save_result,
     save_scenario,
+    torchrun_command,
 )
 from parity_tests.torch_ranks import run_scenario  # noqa: E402
 from parity_tests.torch_scenario import AdamW, Scenario, WarmupCosine, split_window  # noqa: E402
@@ -45,15 +47,12 @@ def _max_param_gap(a, b) -> float:
     return max(float(np.abs(x[n] - y[n]).max()) for x, y in zip(a, b, strict=True) for n in x)
 
 
-def _torchrun(args: list[str]) -> str:
-    """Runs torchrun with ``args``; its output. Kills its whole process group on a timeout."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
-    # --standalone: torchrun's agent binds its store on a port the OS picks (port 0) and holds
-    # it; a port picked here would be released, then bound by torchrun later (another job may
-    # take it in between)
-    cmd += ["--standalone", "--local-addr=127.0.0.1", "-m", "parity_tests.torch_launch"]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    returncode, out, err = run_bounded(cmd + args, timeout=TORCHRUN_TIMEOUT_S, env=env)
+def _torchrun(scenario: Path, result: Path) -> str:
+    """Runs torchrun on the saved scenario; its output. Kills its whole process group on a timeout."""
+    env = dict(os.environ, **TORCHRUN_ENV)
+    returncode, out, err = run_bounded(
+        torchrun_command(scenario, result), timeout=TORCHRUN_TIMEOUT_S, env=env
+    )
     assert returncode == 0, out + err
     return out + err
 
@@ -62,7 +61,7 @@ def _torchrun(args: list[str]) -> str:
 def test_torchrun_gives_the_in_process_records_and_parameters(tmp_path):
     scenario = _scenario(2, count_comm=True)
     save_scenario(tmp_path / "scenario.npz", scenario)
-    _torchrun([str(tmp_path / "scenario.npz"), str(tmp_path / "result.npz")])
+    _torchrun(tmp_path / "scenario.npz", tmp_path / "result.npz")
     via_torchrun = load_result(tmp_path / "result.npz")
     in_process = run_scenario(scenario)
     # The same function on the same 2 gloo ranks, one intra-op thread each: the same

@@ -263,14 +263,12 @@ def run_bounded(cmd: list[str], *, timeout: float, env: dict | None = None) -> t
     """Runs ``cmd`` in a process group of its own; ``(returncode, stdout, stderr)``.
 
     On ``timeout`` seconds the whole group (the command and every process it
-    started: torchrun's ranks, Chromium's renderers) is killed and the test fails
-    with what it printed.
+    started: torchrun's ranks, Chromium's renderers) is killed and a
+    ``TimeoutError`` holds what it printed.
     """
     import os
     import signal
     import subprocess
-
-    import pytest
 
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -281,5 +279,5 @@ def run_bounded(cmd: list[str], *, timeout: float, env: dict | None = None) -> t
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # our own session only
         out, err = proc.communicate()
-        pytest.fail(f"{cmd[0]} did not finish within {timeout} s:\n{out}\n{err}")
+        raise TimeoutError(f"{cmd[0]} did not finish within {timeout} s:\n{out}\n{err}") from None
     return proc.returncode, out, err

@@ -3,32 +3,28 @@
 `run(world_size, fn, *args)` starts ``world_size`` processes with
 ``torch.multiprocessing.start_processes`` ("forkserver" by default: forked
 from a clean server that imported torch once; "spawn" also works), joins them
-into one process group, calls ``fn(rank, world_size, *args)`` in each and
-returns the ranks' return values in rank order, all within ``timeout_s``.
-``fn``, ``args`` and the results travel as pickles in a temporary directory (a
-pipe would fill up and block the rank): each rank unpickles its own copy.
+into one process group (`process_group`), calls ``fn(rank, world_size, *args)``
+in each and returns the ranks' return values in rank order, all within
+``timeout_s``. ``fn`` (module-level), ``args`` and the results travel as
+pickles in a temporary directory (a pipe would fill up and block the rank).
 
 The rendezvous guesses no free port: this process serves the group's
 ``TCPStore`` on 127.0.0.1 on a port the OS picks as it binds (port 0), held
-until the run ends; the ranks are its clients. (A port picked, released and
-bound again by rank 0 could be taken by another job in between.)
+until the run ends (a port picked, released and bound again by rank 0 could be
+taken by another job in between).
 
 A failure says why: each rank's stderr (file descriptor 2: Python, native code,
 ``faulthandler``'s stacks on a crash) goes to a file, copied to this process's
-stderr after the run. The ``RuntimeError`` of a rank that raised, died (an exit
-code, a signal) or hung past ``timeout_s`` holds its traceback (a hung rank's
-Python stack) and the last `STDERR_LINES` lines of every rank's stderr.
+stderr after the run. The ``RuntimeError`` of a rank that raised, died or hung
+past ``timeout_s`` holds its traceback (a hung rank's Python stack) and the
+last `STDERR_LINES` lines of every rank's stderr.
 
 The standard launcher is torchrun (``python -m torch.distributed.run
 --nproc_per_node=R -m <your module>``): the same ranks, from the environment
-(``current_device`` reads ``TORCH_REF_DEVICE`` there).
-
-`one_cpu_thread` runs a block on one intra-op thread (tiny models on small hosts).
-
-Devices: ``device="cpu"`` (default, ``backend="gloo"``) or ``device="cuda"``
-(rank r uses ``cuda:(r % device_count)``; ``backend="nccl"`` with one GPU per
-rank, gloo accepts CUDA tensors). ``fn`` and ``args`` must be picklable
-(``fn`` a module-level function).
+(``current_device`` reads ``TORCH_REF_DEVICE`` there). `one_cpu_thread` runs a
+block on one intra-op thread (tiny models on small hosts). Devices:
+``device="cpu"`` (default, gloo) or ``"cuda"`` (rank r on ``cuda:(r %
+device_count)``; ``backend="nccl"`` with one GPU per rank).
 
 Example (``torch_ref/ddp_test.py`` runs one like it on two gloo ranks)::
 
@@ -63,13 +59,8 @@ STDERR_LINES = 30
 """How many of each rank's last stderr lines an error shows."""
 # Imported once by the fork server. DistributedDataParallel's constructor
 # imports torch._dynamo (~6 s of CPU), so it is preloaded too.
-_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "torch._dynamo",
-    "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
-    "torch_ref",
-]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch_ref"]
+_PRELOAD += ["torch.distributed.algorithms.ddp_comm_hooks.default_hooks"]
 # A hung rank prints its stacks on this signal (faulthandler), before it is stopped.
 _DUMP_STACKS = signal.SIGUSR1
 
@@ -78,10 +69,8 @@ _DUMP_STACKS = signal.SIGUSR1
 def one_cpu_thread() -> Iterator[None]:
     """Runs the body with ``torch.set_num_threads(1)``, restoring the count after.
 
-    A tiny model is far too small for intra-op parallelism; on some hosts
-    (e.g. sandboxed 2-core VMs) OpenMP synchronization makes every op ~500x
-    slower with 2 threads than with 1. Results do not depend on it beyond
-    float32 rounding.
+    A tiny model is far too small for intra-op parallelism: on some hosts (2-core
+    VMs) OpenMP makes every op ~500x slower with 2 threads than with 1.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -89,6 +78,29 @@ def one_cpu_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
+def process_group(backend: str, timeout_s: float, **init_args: Any) -> Iterator[None]:
+    """Runs the body in the default process group; after it the group is gone, threads and all.
+
+    Both launchers' ranks run in it (``init_args``: ``store``, ``rank``, ``world_size``;
+    none under torchrun). Gloo's workers release a collective's tensors after its
+    caller has the result; one doing so as the interpreter exits aborts the rank
+    ("terminate called without an active exception": 6 torchrun launches in 30
+    beside 4 CPU burners). ``destroy_process_group`` joins them only if nothing
+    else holds the group, so two holders go first: ``torch._dynamo``, imported
+    later (by the first ``DistributedDataParallel``), keeps ten references to a
+    live group (torch 2.13); a DDP in reference cycles holds it until collected.
+    """
+    import torch._dynamo  # noqa: F401 (see above; ~6 s of CPU, which DDP pays anyway)
+
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **init_args)
+    try:
+        yield
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def current_device() -> torch.device:
@@ -118,9 +130,8 @@ def run(
       device: "cpu" or "cuda"; visible to ``fn`` via `current_device()`.
       timeout_s: wall-clock bound of the whole run, start-up included; also the
         process-group timeout of every collective and of the rendezvous.
-      start_method: "forkserver" (ranks forked from a server process that
-        pre-imported torch: fresh interpreters that never saw the caller's
-        state, e.g. JAX threads) or "spawn" (a fresh interpreter per rank).
+      start_method: "forkserver" (forks of a server that pre-imported torch and
+        never saw the caller's state, e.g. JAX threads) or "spawn".
 
     Returns:
       [result of rank 0, ..., result of rank world_size - 1].
@@ -222,17 +233,9 @@ def _rank_main(
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     fn, args = _load(os.path.join(out_dir, "call.pkl"))
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(HOST, port, None, False, timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    try:
+    store = dist.TCPStore(HOST, port, None, False, datetime.timedelta(seconds=timeout_s))
+    with process_group(backend, timeout_s, store=store, rank=rank, world_size=world_size):
         result = fn(rank, world_size, *args)
-    finally:
-        # a DistributedDataParallel left in reference cycles would be freed at exit, after
-        # the group: torch 2.13 then aborts the rank ("terminate called without an active
-        # exception", 1 run in ~15 under load); freed here, while the group lives
-        gc.collect()
-        dist.destroy_process_group()
     _dump(os.path.join(out_dir, f"rank{rank}.pkl"), result)
 
 
@@ -265,11 +268,8 @@ def _stderr_tails(out_dir: str, world_size: int) -> str:
     for rank in range(world_size):
         path = _stderr_path(out_dir, rank)
         if not os.path.exists(path):
-            sections.append(
-                f"\n\n-- rank {rank}'s stderr: none, it ended before torch_ref.ddp's code ran in"
-                " it (while multiprocessing started it: its traceback, if any, is in this"
-                " process's stderr) --"
-            )
+            why = "it ended before torch_ref.ddp's code ran in it (see this process's stderr)"
+            sections.append(f"\n\n-- rank {rank}'s stderr: none, {why} --")
             continue
         lines = _read(path).splitlines()
         shown = f"last {STDERR_LINES} of {len(lines)}" if len(lines) > STDERR_LINES else "all"

@@ -322,3 +322,36 @@ def test_a_rank_that_dies_before_fn_is_explained(tmp_path):
     )  # fmt: skip
     assert "rank 0's stderr: none, it ended before torch_ref.ddp's code ran" in script.stderr
     assert "RuntimeError: this program refuses to be imported in a rank" in script.stderr
+
+
+# A rank's last steps: a DDP run, then the records gathered (the last collective), in a fresh
+# interpreter that has not imported torch._dynamo (torchrun's ranks have not).
+LAST_STEPS = """
+import os, torch
+from torch_ref import ddp
+gloo_threads = lambda: sorted(
+    name for t in os.listdir("/proc/self/task")
+    if "gloo" in (name := open(f"/proc/self/task/{t}/comm").read().strip())
+)
+store = torch.distributed.TCPStore(ddp.HOST, 0, 1, True)
+with ddp.process_group("gloo", 60, store=store, rank=0, world_size=1):
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    model(torch.ones(2, 4)).sum().backward()
+    torch.distributed.all_gather_object([None], {"loss": 1.0})
+    print(gloo_threads())
+    del model  # a rank's fn has returned
+print(gloo_threads())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads Linux's /proc")
+def test_no_thread_of_the_group_outlives_process_group():
+    # A gloo thread alive as the interpreter exits may free a collective's tensors then, which
+    # aborts the process (torchrun's ranks did, under load). Counted, not timed: deterministic.
+    # (testkit is not imported here: the ranks import this module, and it would bring JAX)
+    cmd = [sys.executable, "-c", LAST_STEPS]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    during, after = run.stdout.splitlines()
+    assert "pt_gloo_runloop" in during  # the group's workers ran the DDP's all-reduce
+    assert after == "[]", run.stderr
