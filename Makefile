@@ -128,8 +128,9 @@ fuzz: $(STAMP)
 	JAXACCUM_FUZZ_EXAMPLES=1000 $(PY) -m pytest -q -s jaxaccum/_property_test.py
 
 # 50 launches of two gloo ranks (torch_ref.ddp.run: the DDP reference loop, the HF Trainer audit,
-# TRL's GRPO audit) beside two CPU burners: launches, deaths and wrong answers per kind, a non-zero
-# exit on any, each death's error printed (about 20 minutes on 2 cores). Not in CI.
+# TRL's GRPO audit; torchrun: a parity scenario) beside two CPU burners: launches, deaths and
+# wrong answers per kind, a non-zero exit on any, each death's error printed (about 8 minutes on
+# 2 cores). Not in CI.
 stress: $(STAMP)
 	$(PY) -m parity_tests.stress --launches 50 --burners 2
 

@@ -30,8 +30,8 @@ each handing its values down (the models are ``tinygpt``'s pair, the data
 
     torch_launch    ``torchrun --nproc_per_node=R -m parity_tests.torch_launch SCEN.npz
                     OUT.npz``: the standard launcher of a torch run, and its files
-    stress          ``make stress``: two-rank launches (DDP, HF Trainer, TRL) beside CPU
-                    burners, deaths counted (not in CI)
+    stress          ``make stress``: two-rank launches (DDP, HF Trainer, TRL, torchrun)
+                    beside CPU burners, deaths counted (not in CI)
 
 Command line: ``python -m parity_tests --device cpu --quick --out DIR``.
 

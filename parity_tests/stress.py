@@ -2,7 +2,7 @@
 
 A user's CI is a busy machine. This starts ``--burners`` CPU burners (processes
 that spin, stopped by handle at the end), then runs ``--launches`` launches of
-two gloo ranks (`torch_ref.ddp.run`), cycling through `KINDS`:
+two gloo ranks (`torch_ref.ddp.run`, or torchrun), cycling through `KINDS`:
 
 * ``ddp``: the reference loop (`torch_ref.train_update`, two updates of a tiny
   LM under ``DistributedDataParallel``), the ranks' records checked equal;
@@ -12,12 +12,15 @@ two gloo ranks (`torch_ref.ddp.run`), cycling through `KINDS`:
   ``dr_grpo`` GA 2 and ``bnpo`` GA 1 in turn;
 * ``torchrun``: a parity scenario (two AdamW windows of the tiny GPT) on two
   ranks started by torchrun (`parity_tests.torch_launch`), whose ranks end
-  their interpreters (the others are forks that do not), its records checked
-  equal to the in-process launcher's.
+  their interpreters (``ddp.run``'s are forks that skip it), its records and
+  parameters checked bitwise equal to the in-process launcher's (run once,
+  before the launches).
 
-It prints each death's error (the rank's traceback and every rank's last stderr
-lines), then the launches, deaths and wrong answers per kind, and exits with 1
-when there was any. Example: ``python -m parity_tests.stress --launches 6 --burners 2``.
+It prints each death's error (``ddp.run``'s: the rank's traceback and every
+rank's last stderr lines; torchrun's: its last lines, which name the failed
+rank, its exit code or signal, and hold the rank's stderr), then the launches,
+deaths and wrong answers per kind, and exits with 1 when there was any.
+Example: ``python -m parity_tests.stress --launches 8 --burners 2``.
 """
 
 from __future__ import annotations
@@ -34,14 +37,20 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 import torch_ref
-from parity_tests.torch_launch import TORCHRUN_ENV, load_result, save_scenario, torchrun_command
+from parity_tests.torch_launch import (
+    TORCHRUN_ENV,
+    TORCHRUN_TIMEOUT_S,
+    load_result,
+    save_scenario,
+    torchrun_command,
+)
 from parity_tests.torch_ranks import run_scenario
-from parity_tests.torch_scenario import AdamW, Scenario, split_window
-from testkit import run_bounded
+from parity_tests.torch_scenario import AdamW, Scenario, ScenarioResult, split_window
 from tinygpt.torch_gpt import TinyGPT, export_state_dict
 from tinygpt.torch_testing import CONFIG, skewed_batch, tiny_gpt2
 from torch_ref import ddp
@@ -93,27 +102,34 @@ def _trl(launch: int) -> None:
 
 
 @functools.cache
-def _scenario() -> tuple[Scenario, list[dict]]:
-    """The torchrun launches' scenario and its records from the in-process launcher."""
+def _scenario() -> tuple[Scenario, ScenarioResult]:
+    """The torchrun launches' scenario and its result from the in-process launcher."""
     windows = [split_window(*skewed_batch(seed), 2, 2) for seed in range(2)]
     weights = export_state_dict(TinyGPT(CONFIG, seed=0))
     scenario = Scenario(config=CONFIG, weights=weights, windows=windows, optimizer=AdamW(1e-3))
-    return scenario, run_scenario(scenario).records
+    return scenario, run_scenario(scenario)
 
 
 def _torchrun(launch: int) -> None:
+    from testkit import run_bounded  # here: testkit imports JAX, and every rank imports this module
+
     scenario, expected = _scenario()
     with tempfile.TemporaryDirectory(prefix="stress_torchrun_") as tmp:
         files = (Path(tmp, "scenario.npz"), Path(tmp, "result.npz"))
         save_scenario(files[0], scenario)
         env = dict(os.environ, **TORCHRUN_ENV)
-        returncode, out, err = run_bounded(torchrun_command(*files), timeout=240, env=env)
+        cmd = torchrun_command(*files)
+        returncode, out, err = run_bounded(cmd, timeout=TORCHRUN_TIMEOUT_S, env=env)
         if returncode != 0:
             last = "\n".join((out + err).splitlines()[-ddp.STDERR_LINES :])
             raise RuntimeError(f"torchrun exited with {returncode}; its last lines:\n{last}")
-        records = load_result(files[1]).records
-    if records != expected:  # the same function on 2 gloo ranks: bitwise equal
-        raise AssertionError(f"torchrun's records {records} differ from {expected}")
+        result = load_result(files[1])
+    # the function the in-process launcher runs, on 2 gloo ranks of one thread: bitwise equal
+    if result.records != expected.records:
+        raise AssertionError(f"torchrun's records {result.records} != {expected.records}")
+    for got, want in zip(result.params, expected.params, strict=True):
+        if any(not np.array_equal(got[name], want[name]) for name in want):
+            raise AssertionError("torchrun's parameters differ from the in-process launcher's")
 
 
 LAUNCHES = {"ddp": _ddp, "hf_trainer": _hf_trainer, "trl": _trl, "torchrun": _torchrun}
@@ -124,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--launches", type=int, default=50, help="two-rank launches (50)")
     parser.add_argument("--burners", type=int, default=2, help="CPU burners beside them (2)")
     args = parser.parse_args(argv)
+    if args.launches > KINDS.index("torchrun"):
+        _scenario()  # the torchrun launches' reference, not counted as one of them
     burners = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.burners)
     ]

@@ -26,7 +26,8 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -130,8 +131,13 @@ def load_result(path: str | os.PathLike) -> ScenarioResult:
         )
 
 
-TORCHRUN_ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+TORCHRUN_ENV: Mapping[str, str] = MappingProxyType(
+    {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+)
 """Environment for `torchrun_command` on one host: gloo on the loopback, one thread per rank."""
+TORCHRUN_TIMEOUT_S = 240.0
+"""A bound on a `torchrun_command` launch of a few tiny windows on a busy 2-core host (start-up
+alone: ~10 s of CPU per rank); its collectives time out at half of it, so a hung one is named."""
 
 
 def torchrun_command(scenario: str | os.PathLike, result: str | os.PathLike) -> list[str]:
@@ -143,7 +149,7 @@ def torchrun_command(scenario: str | os.PathLike, result: str | os.PathLike) -> 
     """
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2"]
     cmd += ["--standalone", "--local-addr=127.0.0.1", "-m", "parity_tests.torch_launch"]
-    return cmd + [os.fspath(scenario), os.fspath(result)]
+    return cmd + [os.fspath(scenario), os.fspath(result), f"--timeout-s={TORCHRUN_TIMEOUT_S / 2}"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

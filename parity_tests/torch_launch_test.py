@@ -18,6 +18,7 @@ pytest.importorskip("torch", reason="needs torch: no CPU build for this Python h
 
 from parity_tests.torch_launch import (  # noqa: E402
     TORCHRUN_ENV,
+    TORCHRUN_TIMEOUT_S,
     load_result,
     load_scenario,
     main,
@@ -32,7 +33,6 @@ from tinygpt.torch_gpt import TinyGPT, export_state_dict  # noqa: E402
 from tinygpt.torch_testing import CONFIG, skewed_batch  # noqa: E402
 
 WEIGHTS = export_state_dict(TinyGPT(CONFIG, seed=0))
-TORCHRUN_TIMEOUT_S = 240  # start-up (~10 s of CPU per rank on 2 cores) plus 2 tiny windows
 
 
 def _scenario(world_size: int, **kw) -> Scenario:
@@ -47,14 +47,12 @@ def _max_param_gap(a, b) -> float:
     return max(float(np.abs(x[n] - y[n]).max()) for x, y in zip(a, b, strict=True) for n in x)
 
 
-def _torchrun(scenario: Path, result: Path) -> str:
-    """Runs torchrun on the saved scenario; its output. Kills its whole process group on a timeout."""
+def _torchrun(scenario: Path, result: Path) -> None:
+    """Runs torchrun on the saved scenario; kills its whole process group on a timeout."""
     env = dict(os.environ, **TORCHRUN_ENV)
-    returncode, out, err = run_bounded(
-        torchrun_command(scenario, result), timeout=TORCHRUN_TIMEOUT_S, env=env
-    )
+    cmd = torchrun_command(scenario, result)
+    returncode, out, err = run_bounded(cmd, timeout=TORCHRUN_TIMEOUT_S, env=env)
     assert returncode == 0, out + err
-    return out + err
 
 
 @pytest.mark.slow  # torchrun and 2 ranks: ~15 s on 2 cores

@@ -23,6 +23,8 @@ Modules::
     _loss.py        causal_lm_loss_sum, count_items
     ddp.py          ddp.run: torch.multiprocessing ranks on 127.0.0.1, bounded in time, a
                     failed rank's traceback and stderr in the error; one_cpu_thread
+                    (_process_group.py: process_group, a rank's time in the group, left
+                    with no thread of it alive)
     audit.py        audit_window, audit_hf_trainer: how YOUR loop weighs each micro-batch and
                     rank (bigbatch's fit and report; the twin of jaxaccum.audit);
                     audit_invariance, audit_trl_grpo: is the update the same for every cut?
@@ -99,6 +101,8 @@ Utilities::
     ddp.run(world_size, fn, *args, backend="gloo", device="cpu", timeout_s=120)
         # R torch.multiprocessing ranks (gloo on CPU, nccl on CUDA); fn(rank, world_size, *args)
     one_cpu_thread()   # context: torch on one intra-op thread (tiny models on small hosts)
+    ddp.process_group(backend, timeout_s, **init_args)
+        # context: a rank in the default group (your torchrun script's too), freed after it
 
 Example (a tiny model: ``input_ids`` [B, T] -> logits [B, T, V])::
 

@@ -3,9 +3,9 @@
 `run(world_size, fn, *args)` starts ``world_size`` processes with
 ``torch.multiprocessing.start_processes`` ("forkserver" by default: forked
 from a clean server that imported torch once; "spawn" also works), joins them
-into one process group (`process_group`), calls ``fn(rank, world_size, *args)``
-in each and returns the ranks' return values in rank order, all within
-``timeout_s``. ``fn`` (module-level), ``args`` and the results travel as
+into one process group (`process_group`, which frees it after), calls
+``fn(rank, world_size, *args)`` in each and returns the ranks' return values in
+rank order, all within ``timeout_s``. ``fn`` (module-level), ``args`` and the results travel as
 pickles in a temporary directory (a pipe would fill up and block the rank).
 
 The rendezvous guesses no free port: this process serves the group's
@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import faulthandler
-import gc
 import multiprocessing
 import os
 import pickle
@@ -54,13 +53,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torch_ref._process_group import process_group
+
 HOST = "127.0.0.1"
 STDERR_LINES = 30
 """How many of each rank's last stderr lines an error shows."""
 # Imported once by the fork server. DistributedDataParallel's constructor
 # imports torch._dynamo (~6 s of CPU), so it is preloaded too.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch_ref"]
-_PRELOAD += ["torch.distributed.algorithms.ddp_comm_hooks.default_hooks"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
+    "torch_ref",
+]
 # A hung rank prints its stacks on this signal (faulthandler), before it is stopped.
 _DUMP_STACKS = signal.SIGUSR1
 
@@ -70,7 +76,8 @@ def one_cpu_thread() -> Iterator[None]:
     """Runs the body with ``torch.set_num_threads(1)``, restoring the count after.
 
     A tiny model is far too small for intra-op parallelism: on some hosts (2-core
-    VMs) OpenMP makes every op ~500x slower with 2 threads than with 1.
+    VMs) OpenMP makes every op ~500x slower with 2 threads than with 1. Results
+    do not depend on it beyond float32 rounding.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -78,29 +85,6 @@ def one_cpu_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-@contextlib.contextmanager
-def process_group(backend: str, timeout_s: float, **init_args: Any) -> Iterator[None]:
-    """Runs the body in the default process group; after it the group is gone, threads and all.
-
-    Both launchers' ranks run in it (``init_args``: ``store``, ``rank``, ``world_size``;
-    none under torchrun). Gloo's workers release a collective's tensors after its
-    caller has the result; one doing so as the interpreter exits aborts the rank
-    ("terminate called without an active exception": 6 torchrun launches in 30
-    beside 4 CPU burners). ``destroy_process_group`` joins them only if nothing
-    else holds the group, so two holders go first: ``torch._dynamo``, imported
-    later (by the first ``DistributedDataParallel``), keeps ten references to a
-    live group (torch 2.13); a DDP in reference cycles holds it until collected.
-    """
-    import torch._dynamo  # noqa: F401 (see above; ~6 s of CPU, which DDP pays anyway)
-
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **init_args)
-    try:
-        yield
-    finally:
-        gc.collect()
-        dist.destroy_process_group()
 
 
 def current_device() -> torch.device:
