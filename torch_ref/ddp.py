@@ -5,26 +5,31 @@
 from a clean server that imported torch once; "spawn" also works), joins them
 into one process group (`process_group`, which frees it after), calls
 ``fn(rank, world_size, *args)`` in each and returns the ranks' return values in
-rank order, all within ``timeout_s``. ``fn`` (module-level), ``args`` and the results travel as
-pickles in a temporary directory (a pipe would fill up and block the rank).
+rank order, all within ``timeout_s``.
+``fn``, ``args`` and the results travel as pickles in a temporary directory (a
+pipe would fill up and block the rank): each rank unpickles its own copy.
 
 The rendezvous guesses no free port: this process serves the group's
 ``TCPStore`` on 127.0.0.1 on a port the OS picks as it binds (port 0), held
-until the run ends (a port picked, released and bound again by rank 0 could be
-taken by another job in between).
+until the run ends; the ranks are its clients. (A port picked, released and
+bound again by rank 0 could be taken by another job in between.)
 
 A failure says why: each rank's stderr (file descriptor 2: Python, native code,
 ``faulthandler``'s stacks on a crash) goes to a file, copied to this process's
-stderr after the run. The ``RuntimeError`` of a rank that raised, died or hung
-past ``timeout_s`` holds its traceback (a hung rank's Python stack) and the
-last `STDERR_LINES` lines of every rank's stderr.
+stderr after the run. The ``RuntimeError`` of a rank that raised, died (an exit
+code, a signal) or hung past ``timeout_s`` holds its traceback (a hung rank's
+Python stack) and the last `STDERR_LINES` lines of every rank's stderr.
 
 The standard launcher is torchrun (``python -m torch.distributed.run
 --nproc_per_node=R -m <your module>``): the same ranks, from the environment
-(``current_device`` reads ``TORCH_REF_DEVICE`` there). `one_cpu_thread` runs a
-block on one intra-op thread (tiny models on small hosts). Devices:
-``device="cpu"`` (default, gloo) or ``"cuda"`` (rank r on ``cuda:(r %
-device_count)``; ``backend="nccl"`` with one GPU per rank).
+(``current_device`` reads ``TORCH_REF_DEVICE`` there).
+
+`one_cpu_thread` runs a block on one intra-op thread (tiny models on small hosts).
+
+Devices: ``device="cpu"`` (default, ``backend="gloo"``) or ``device="cuda"``
+(rank r uses ``cuda:(r % device_count)``; ``backend="nccl"`` with one GPU per
+rank, gloo accepts CUDA tensors). ``fn`` and ``args`` must be picklable
+(``fn`` a module-level function).
 
 Example (``torch_ref/ddp_test.py`` runs one like it on two gloo ranks)::
 
@@ -75,9 +80,10 @@ _DUMP_STACKS = signal.SIGUSR1
 def one_cpu_thread() -> Iterator[None]:
     """Runs the body with ``torch.set_num_threads(1)``, restoring the count after.
 
-    A tiny model is far too small for intra-op parallelism: on some hosts (2-core
-    VMs) OpenMP makes every op ~500x slower with 2 threads than with 1. Results
-    do not depend on it beyond float32 rounding.
+    A tiny model is far too small for intra-op parallelism; on some hosts
+    (e.g. sandboxed 2-core VMs) OpenMP synchronization makes every op ~500x
+    slower with 2 threads than with 1. Results do not depend on it beyond
+    float32 rounding.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -114,8 +120,9 @@ def run(
       device: "cpu" or "cuda"; visible to ``fn`` via `current_device()`.
       timeout_s: wall-clock bound of the whole run, start-up included; also the
         process-group timeout of every collective and of the rendezvous.
-      start_method: "forkserver" (forks of a server that pre-imported torch and
-        never saw the caller's state, e.g. JAX threads) or "spawn".
+      start_method: "forkserver" (ranks forked from a server process that
+        pre-imported torch: fresh interpreters that never saw the caller's
+        state, e.g. JAX threads) or "spawn" (a fresh interpreter per rank).
 
     Returns:
       [result of rank 0, ..., result of rank world_size - 1].
@@ -252,8 +259,11 @@ def _stderr_tails(out_dir: str, world_size: int) -> str:
     for rank in range(world_size):
         path = _stderr_path(out_dir, rank)
         if not os.path.exists(path):
-            why = "it ended before torch_ref.ddp's code ran in it (see this process's stderr)"
-            sections.append(f"\n\n-- rank {rank}'s stderr: none, {why} --")
+            sections.append(
+                f"\n\n-- rank {rank}'s stderr: none, it ended before torch_ref.ddp's code ran in"
+                " it (while multiprocessing started it: its traceback, if any, is in this"
+                " process's stderr) --"
+            )
             continue
         lines = _read(path).splitlines()
         shown = f"last {STDERR_LINES} of {len(lines)}" if len(lines) > STDERR_LINES else "all"
