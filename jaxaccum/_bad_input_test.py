@@ -157,6 +157,15 @@ def replicated_grads_under_explicit_jit():
         jax.jit(lambda p, s, x: tx.update(grads_of(p, x), s, p, num_items=8)[1])(params, state, x)
 
 
+def batch_split_over_its_sequence_axis():
+    mesh = jax.make_mesh((4,), ("data",))
+    with jax.set_mesh(mesh):
+        params = jax.device_put(PARAMS, P())
+        tokens = jax.device_put(jnp.ones((8, 4, 2)), P(None, "data"))  # [rows, T, 2], T split
+        loss = lambda p, x: (jnp.sum(x @ p["w"]), jnp.float32(x.shape[0] * x.shape[1]))
+        jax.jit(jaxaccum.value_and_grad(loss, axis_name="data"))(params, tokens)
+
+
 def state_without_axis_to_tx_with_axis():
     plain_state = sgd().init(PARAMS)
     tx = sgd(axis_name="data")
@@ -267,6 +276,7 @@ RAISES = [
     ("axis_name_mismatched_in_shard_map", mismatched_axis_name, NameError),
     ("axis_name_on_an_auto_mesh", auto_axis_under_jit, ValueError),
     ("grads_replicated_under_explicit_jit", replicated_grads_under_explicit_jit, ValueError),
+    ("batch_split_over_its_sequence_axis", batch_split_over_its_sequence_axis, ValueError),
     ("grads_already_summed_by_autodiff", grads_summed_by_autodiff, ValueError),
     (
         "grads_already_summed_python_int_items",

@@ -53,8 +53,12 @@ ACCUMULATE = Caller(
 def batch_split(args: Any, axis_name: AxisName | None, caller: Caller = VALUE_AND_GRAD) -> None:
     """Refuses a batch whose leaves with one value per row are not all split over the axes.
 
-    A leaf is split as its sharding says under ``jit`` on an Explicit mesh, or as
-    the axes JAX tracks it varying over inside ``shard_map`` (not under ``pmap``,
+    The rows are a leaf's leading axis (``caller.row_axis``: 0, or 1 after the
+    micro-batches' axis). Under ``jit`` on an Explicit mesh a leaf is split as its
+    sharding says for its axes up to the rows; a split of a later one (the
+    sequence's) leaves every device a slice of every row and is refused (a
+    time-major ``[T, rows]`` batch puts its rows first). Inside ``shard_map`` a leaf
+    is split over the axes JAX tracks it varying over (not under ``pmap``,
     which maps a leading axis, or with ``check_vma=False``). A leaf not split over
     every batch axis is refused when no leaf is, or when it has as many rows
     (``caller.row_axis``) as a split leaf. Scalars and PRNG keys are not rows;
@@ -73,15 +77,21 @@ def batch_split(args: Any, axis_name: AxisName | None, caller: Caller = VALUE_AN
         if np.ndim(x) > caller.row_axis and not is_key(x)
     ]
     batch_axes = set(_sharding.axes(axis_name))
-    split = {path: _split_over(x, where) & batch_axes for path, x in leaves}
+    split = {path: _split_over(x, where, caller.row_axis) & batch_axes for path, x in leaves}
+    sliced = {path: bool(_split_within_rows(x, where, caller.row_axis) & batch_axes)
+              for path, x in leaves}  # fmt: skip
     unsplit = [path for path, x in leaves if split[path] != batch_axes]
+    layouts = {path: _layout(x, split[path], where) for path, x in leaves}
+    refuse = lambda paths: _not_split(
+        caller, axis_name, paths, layouts, where, any(sliced[p] for p in paths)
+    )
     if len(unsplit) == len(leaves) and leaves:
-        raise ValueError(_not_split(caller, axis_name, unsplit, split, where))
+        raise ValueError(refuse(unsplit))
     counts = {path: _rows(x, split[path], where, caller.row_axis) for path, x in leaves}
     rows = {counts[path] for path, _ in leaves if split[path]}  # the split leaves' rows
     with_rows = [path for path in unsplit if counts[path] in rows]
     if with_rows:
-        raise ValueError(_not_split(caller, axis_name, with_rows, split, where))
+        raise ValueError(refuse(with_rows))
 
 
 def _devices(axes: Any) -> int:
@@ -93,12 +103,31 @@ def _devices(axes: Any) -> int:
     return int(np.prod([mesh.shape[a] for a in axes]))
 
 
-def _split_over(x: Any, where: Placement) -> set[str]:
-    """The mesh axes that split ``x`` (its sharding under jit; what it varies over per device)."""
+def _split_over(x: Any, where: Placement, row_axis: int) -> set[str]:
+    """The mesh axes that split ``x``'s rows: under jit, those its sharding names for its
+    axes up to the row axis (stacked micro-batches: the micro-batches' or the rows'); per
+    device, what it varies over (``in_specs`` name the axis themselves)."""
     if where is Placement.PER_DEVICE:
         return set(_sharding.varying_axes(x))
-    parts = [p for p in _sharding.spec_of(x).partitions if p is not None]
-    return {a for p in parts for a in (p if isinstance(p, tuple) else (p,))}
+    return _mesh_axes(_sharding.spec_of(x).partitions[: row_axis + 1])
+
+
+def _split_within_rows(x: Any, where: Placement, row_axis: int) -> set[str]:
+    """Under jit, the mesh axes that split ``x`` after its row axis (its sequence, say)."""
+    if where is Placement.PER_DEVICE:
+        return set()
+    return _mesh_axes(_sharding.spec_of(x).partitions[row_axis + 1 :])
+
+
+def _mesh_axes(partitions: Any) -> set[str]:
+    return {a for p in partitions if p is not None for a in (p if isinstance(p, tuple) else (p,))}
+
+
+def _layout(x: Any, split: set[str], where: Placement) -> str:
+    """How a leaf is laid out, for the error: its rows' axes, and under jit its sharding."""
+    if where is Placement.PER_DEVICE:
+        return f"varying over {sorted(split) or 'nothing'}"
+    return f"rows split over {sorted(split) or 'nothing'} (sharding {_sharding.spec_of(x)})"
 
 
 def _rows(x: Any, split: set[str], where: Placement, row_axis: int) -> int:
@@ -117,29 +146,46 @@ def _varying_tracked(axis_name: AxisName) -> bool:
     return set(_sharding.axes(axis_name)) <= _sharding.varying_axes(index)
 
 
-def _not_split(caller: Caller, axis_name, paths: list[str], split: dict, where) -> str:
+def _not_split(
+    caller: Caller, axis_name, paths: list[str], layouts: dict, where, sliced: bool = False
+) -> str:
     batch_axes = _sharding.axes(axis_name)
     axes = ", ".join(repr(a) for a in batch_axes)
-    layout = "split over" if where is Placement.EXPLICIT else "varying over"
-    leaves = ", ".join(f"{p} {layout} {sorted(split[p]) or 'nothing'}" for p in paths[:4])
+    leaves = ", ".join(f"{p} {layouts[p]}" for p in paths[:4])
     fix = caller.put if where is Placement.EXPLICIT else "in_specs=P({}) for it in jax.shard_map"
-    whole = len(paths) == len(split)
-    consequence = (
-        f"Every device would run on all the batch's rows: the window's items would be counted"
-        f" {_devices(batch_axes)} times, the compute as many times larger"
-        if whole
-        else f"Every device would count all their rows ({_devices(batch_axes)} times in all):"
-        " the window's items and the update would be wrong"
-    )
+    whole = len(paths) == len(layouts)
+    if sliced:  # split over an axis after the rows
+        consequence = (
+            "Every device would hold a slice of every row instead of rows of its own: for a"
+            " loss that looks across a row (a shift of its tokens, attention) the window's"
+            " items and the update would be wrong. The rows are "
+            + ("the leading axis" if caller.row_axis == 0 else "the axis after the micro-batches'")
+            + " (a time-major batch puts them first)"
+        )
+    elif whole:
+        consequence = (
+            f"Every device would run on all the batch's rows: the window's items would be"
+            f" counted {_devices(batch_axes)} times, the compute as many times larger"
+        )
+    else:
+        consequence = (
+            f"Every device would count all their rows ({_devices(batch_axes)} times in all):"
+            " the window's items and the update would be wrong"
+        )
+    if sliced:
+        other_way = ""
+    elif whole:
+        other_way = (
+            f" For a batch that every device holds whole, {caller.whole} (GSPMD: its items"
+            " counted once, the gradient reduced on every micro-step)."
+        )
+    else:
+        other_way = (
+            " A leaf that is not one value per row (a table every device needs whole) goes"
+            " outside the arguments: close over it."
+        )
     return (
         f"{caller.name}: {'the batch is' if whole else 'leaves of the batch are'} not split"
         f" over the batch axis {axes} of axis_name={axis_name!r} ({leaves}). {consequence}."
-        f" Split the rows over the axis: {fix.format(axes)}. "
-        + (
-            f"For a batch that every device holds whole, {caller.whole} (GSPMD: its items"
-            " counted once, the gradient reduced on every micro-step)."
-            if whole
-            else "A leaf that is not one value per row (a table every device needs whole) goes"
-            " outside the arguments: close over it."
-        )
+        f" Split the rows over the axis: {fix.format(axes)}.{other_way}"
     )

@@ -37,10 +37,10 @@ def make_batch() -> dict:
     return {"x": rng.normal(size=(8, 3)).astype(np.float32), "m": mask}
 
 
-def jit_step(tx):
+def jit_step(tx, loss=loss_fn):
     @jax.jit
     def step(params, state, batch):
-        (loss_sum, num_items), grads = jaxaccum.value_and_grad(loss_fn, axis_name="data")(
+        (loss_sum, num_items), grads = jaxaccum.value_and_grad(loss, axis_name="data")(
             params, batch
         )
         updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
@@ -136,7 +136,7 @@ def test_plain_jit_refuses_one_leaf_not_split():
         grad_fn = jax.jit(jaxaccum.value_and_grad(loss_with_counts, axis_name="data"))
         with pytest.raises(ValueError, match="leaves of the batch are not split") as error:
             grad_fn(params, batch)
-    assert "args[0]['n'] split over nothing" in str(error.value)
+    assert "args[0]['n'] rows split over nothing" in str(error.value)
     assert "args[0]['x']" not in str(error.value) and FIX in str(error.value)
 
 
@@ -150,3 +150,76 @@ def test_accumulate_gradients_refuses_micro_batches_not_split():
             step(params, jax.device_put(microbatches, P()))
         _, metrics = step(params, jax.device_put(microbatches, P(None, "data")))
     assert float(metrics["window_items"]) == 2 * make_batch()["m"].sum()  # counted once
+
+
+def sequence_loss(params, batch):  # rows of T tokens: x [rows, T, 3], mask [rows, T]
+    return jnp.sum(batch["m"] * (batch["x"] @ params["w"])[..., 0] ** 2), jnp.sum(batch["m"])
+
+
+def sequence_batch() -> dict:
+    rng = np.random.default_rng(1)
+    mask = (rng.random((8, DEVICES)) < 0.7).astype(np.float32)
+    return {"x": rng.normal(size=(8, DEVICES, 3)).astype(np.float32), "m": mask}
+
+
+def test_plain_jit_refuses_a_batch_split_over_its_sequence_axis():
+    # split over T, not the rows: each device would hold every row's slice of T, its sums
+    # and counts of a part of each row (window_items 84 for 110 in the run that found it)
+    mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
+    tx = jaxaccum.multi_steps(optax.sgd(0.1), K, axis_name="data")
+    with jax.set_mesh(mesh):
+        params = jax.device_put(make_params(), P())
+        state = tx.init(params)
+        step = jit_step(tx, sequence_loss)
+        with pytest.raises(ValueError, match="the batch is not split over the batch axis") as error:
+            step(params, state, jax.device_put(sequence_batch(), P(None, "data")))
+        assert "args[0]['x'] rows split over nothing (sharding " in str(error.value)
+        assert "a slice of every row instead of rows of its own" in str(error.value)
+        assert "The rows are the leading axis" in str(error.value)
+        for _ in range(K):  # the rows split: runs, and counts each item once
+            params, state = step(params, state, jax.device_put(sequence_batch(), P("data")))
+    # the mask's ones of K micro-batches, exact in float32
+    assert float(jaxaccum.window_metrics(state).window_items) == K * sequence_batch()["m"].sum()
+
+
+def test_accumulate_gradients_refuses_micro_batches_split_over_their_sequence_axis():
+    mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
+    microbatches = jax.tree.map(lambda x: np.stack([x, x]), sequence_batch())  # [k=2, rows, T..]
+    with jax.set_mesh(mesh):
+        params = jax.device_put(make_params(), P())
+        step = jax.jit(
+            lambda p, m: jaxaccum.accumulate_gradients(sequence_loss, p, m, axis_name="data")
+        )
+        with pytest.raises(ValueError, match="accumulate_gradients: the batch is not split"):
+            step(params, jax.device_put(microbatches, P(None, None, "data")))
+
+
+def test_plain_jit_refuses_one_leaf_split_over_its_sequence_axis():
+    # x split over its rows, the mask over its tokens: the mask's leaf is named, sliced
+    mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
+    with jax.set_mesh(mesh):
+        params = jax.device_put(make_params(), P())
+        batch = jax.device_put(sequence_batch(), {"x": P("data"), "m": P(None, "data")})
+        grad_fn = jax.jit(jaxaccum.value_and_grad(sequence_loss, axis_name="data"))
+        with pytest.raises(ValueError, match="leaves of the batch are not split") as error:
+            grad_fn(params, batch)
+    assert "args[0]['m'] rows split over nothing" in str(error.value)
+    assert "args[0]['x']" not in str(error.value)
+    assert "a slice of every row instead of rows of its own" in str(error.value)
+
+
+def test_accumulate_gradients_takes_micro_batches_split_over_their_own_axis():
+    # each device scans its own micro-batches, all their rows: the same sums as the rows split
+    mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
+    microbatches = jax.tree.map(lambda *xs: np.stack(xs), *[sequence_batch()] * DEVICES)
+    with jax.set_mesh(mesh):
+        params = jax.device_put(make_params(), P())
+        step = jax.jit(
+            lambda p, m: jaxaccum.accumulate_gradients(sequence_loss, p, m, axis_name="data")
+        )
+        by_rows = step(params, jax.device_put(microbatches, P(None, "data")))
+        by_micro_batch = step(params, jax.device_put(microbatches, P("data")))
+    assert float(by_micro_batch[1]["window_items"]) == DEVICES * sequence_batch()["m"].sum()
+    # the same sums in another order: float32 rounding of a few additions
+    for a, b in zip(jax.tree.leaves(by_rows), jax.tree.leaves(by_micro_batch), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
