@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum._state import MultiStepsState, WindowMetrics
+from jaxaccum._state import MultiStepsState, WindowMetrics, _one_value
 
 
 def _find_state(opt_state: Any, caller: str) -> MultiStepsState:
@@ -146,7 +146,7 @@ class WindowLog:
                     " of add and are not in the log: call add after every micro-step",
                     stacklevel=3,
                 )
-            closed_here = record["micro_step"] == int(np.asarray(micro_step))
+            closed_here = record["micro_step"] == _one_value("micro_step", np.asarray(micro_step))
             if closed_here and (self._closed is None or closed > self._closed):
                 out.append(record)
             self._closed = closed

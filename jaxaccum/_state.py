@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bigbatch import SkipReason
 
@@ -56,13 +57,28 @@ class WindowMetrics(NamedTuple):
 
         Counters come back as ``int``, ``skipped`` as ``bool``, the rest as ``float``.
         Reading them waits for the step that made them; :class:`jaxaccum.WindowLog`
-        reads them once they are ready instead.
+        reads them once they are ready instead. A state with one copy per device
+        (``pmap``'s) is read once: its copies must agree, as a window's record does.
         """
         host = jax.device_get([_one_copy(x) for x in self])
         return {
-            name: _PYTHON_TYPE.get(name, float)(value.item())
+            name: _PYTHON_TYPE.get(name, float)(_one_value(name, value))
             for name, value in zip(self._fields, host, strict=True)
         }
+
+
+def _one_value(name: str, value: Any) -> Any:
+    """A field as one number: a scalar, or the common value of its copies (one per device)."""
+    copies = np.ravel(value)
+    if copies.size == 0 or not np.array_equal(
+        copies, np.full_like(copies, copies[0]), equal_nan=True
+    ):
+        raise ValueError(
+            f"WindowMetrics.to_python: {name} differs between its copies ({copies.tolist()});"
+            " a window's record is the same on every device after its reduction: pass the"
+            " state of one run (a vmap of several runs holds one record each)"
+        )
+    return copies[0].item()
 
 
 _PYTHON_TYPE = dict(micro_step=int, update_id=int, skip_count=int, skip_reason=int, skipped=bool)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -29,6 +30,35 @@ def test_window_metrics_to_python_gives_plain_numbers():
     }  # fmt: skip
     kinds = {name: type(value) for name, value in record.items()}
     assert kinds["update_id"] is int and kinds["skipped"] is bool and kinds["loss"] is float
+
+
+def test_window_metrics_to_python_reads_a_pmap_state():
+    # under pmap every state leaf holds one copy per device: the record is read once
+    tx = jaxaccum.multi_steps(optax.sgd(1.0), K, axis_name="data")
+    params = {"w": jnp.zeros((4, 3))}  # 4 devices' copies
+    step = jax.pmap(
+        lambda g, s, p: tx.update(g, s, p, num_items=3.0, loss_sum=1.5)[1],
+        axis_name="data",
+        devices=jax.devices()[:4],
+    )
+    state = jax.pmap(tx.init, devices=jax.devices()[:4])(params)
+    log, logged = jaxaccum.WindowLog(), []
+    for _ in range(K):
+        state = step({"w": jnp.ones((4, 3))}, state, params)
+        logged += log.add(state)
+    logged += log.flush()
+    record = jaxaccum.window_metrics(state).to_python()
+    # 4 devices x K micro-batches x 3 items; loss 4 x K x 1.5 / 24
+    assert (record["update_id"], record["window_items"], record["loss"]) == (1, 24.0, 0.5)
+    assert logged == [record]
+
+
+def test_window_metrics_to_python_refuses_copies_that_differ():
+    tx = jaxaccum.multi_steps(optax.sgd(1.0), K)
+    state = jax.vmap(tx.init)({"w": jnp.zeros((2, 3))})  # two lanes, one of them updated
+    state = jax.tree.map(lambda x: x.at[0].set(x[0] + 1) if x.dtype == jnp.int32 else x, state)
+    with pytest.raises(ValueError, match="differs between its copies"):
+        jaxaccum.window_metrics(state).to_python()
 
 
 def test_window_log_returns_each_closed_window_once_under_nnx_on_a_mesh():
