@@ -86,7 +86,7 @@ def _runners(quick: bool, device: str) -> dict:
         5: lambda: jax_vs_torch.run(
             seq_len=16 if quick else 128, rows=8, k=4, rounds=rounds, device=device
         ),
-        6: lambda: gpu.run(device),
+        6: lambda: [gpu.run(device), gpu.jax_vs_torch(device)],
         7: lambda: loss_scale_start.run((512,) if quick else (512, 4096)),
         8: lambda: audit_cost.run(quick),
     }
@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     for number in sorted(wanted):
         t0 = time.perf_counter()
         print(f"[benchmarks] section {number} ...", file=sys.stderr, flush=True)
-        sections.append(runners[number]())
+        ran = runners[number]()  # a section, or a list of them (None: not measured here)
+        sections += [r for r in (ran if isinstance(ran, list) else [ran]) if r is not None]
         print(
             f"[benchmarks] section {number} done in {time.perf_counter() - t0:.0f} s "
             f"(load average {report.load_average()})",

@@ -119,23 +119,39 @@ def gpt2(size: str):
     return transformers.GPT2LMHeadModel(config)
 
 
-def nanogpt_torch(model, optimizer, microbatches) -> None:
-    """nanoGPT's loop on a Hugging Face causal LM: each micro-batch's token mean / k."""
+def on_model_device(model, batch: dict) -> dict:
+    """``batch``'s tensors on ``model``'s device (where a GPU user's loop puts them)."""
+    device = next(model.parameters()).device
+    return {name: value.to(device) for name, value in batch.items()}
+
+
+def loss_sum_on_device(model, batch: dict):
+    """``hf_causal_lm_loss_sum`` on the model's device: the audit's reference loss."""
     from torch_ref.audit import hf_causal_lm_loss_sum
 
+    return hf_causal_lm_loss_sum(model, on_model_device(model, batch))
+
+
+def nanogpt_torch(model, optimizer, microbatches) -> None:
+    """nanoGPT's loop on a Hugging Face causal LM: each micro-batch's token mean / k."""
     for mb in microbatches:
-        loss_sum, n = hf_causal_lm_loss_sum(model, mb)
+        loss_sum, n = loss_sum_on_device(model, mb)
         (loss_sum / max(n, 1) / len(microbatches)).backward()
     optimizer.step()
 
 
-def torch_audit(size: str, ranks: int, loop: str, progress: bool) -> tuple[object, int]:
-    """The torch audit of nanoGPT's loop, or of the Trainer, on GPT-2 of ``size``."""
+def torch_audit(
+    size: str, ranks: int, loop: str, progress: bool, device: str = "cpu"
+) -> tuple[object, int]:
+    """The torch audit of nanoGPT's loop, or of the Trainer, on GPT-2 of ``size``
+    (nanoGPT's, one process, on ``device``: "cpu" or "cuda")."""
     import torch
 
     from torch_ref import audit
 
-    model = gpt2(size)
+    if device != "cpu" and (loop != "nanogpt" or ranks != 1):
+        raise ValueError(f"torch_audit: device={device!r} is for nanoGPT's loop on one rank")
+    model = gpt2(size).to(device)
     vocab = SIZES[size][3]
     ids, labels = (torch.as_tensor(a) for a in rows(vocab))
     torch.set_num_threads(os.cpu_count() // ranks)
@@ -145,7 +161,7 @@ def torch_audit(size: str, ranks: int, loop: str, progress: bool) -> tuple[objec
                        timeout_s=1800.0, learning_rate=LEARNING_RATE, progress=progress)  # fmt: skip
     else:
         batch = {"input_ids": ids, "labels": labels}
-        report = _call(audit.audit_window, nanogpt_torch, audit.hf_causal_lm_loss_sum, model,
+        report = _call(audit.audit_window, nanogpt_torch, loss_sum_on_device, model,
                        batch, k=K, world_size=ranks, timeout_s=1800.0,
                        learning_rate=LEARNING_RATE, progress=progress)  # fmt: skip
     return report, sum(p.numel() for p in model.parameters())
@@ -180,17 +196,33 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # elsewhere: the bound
 
 
-def one(framework: str, size: str, ranks: int, progress: bool) -> dict:
-    """Runs one audit here; what the parent reads (this process's peak RSS included)."""
+def device_peak_bytes(framework: str, device: str) -> int | None:
+    """The GPU's peak allocated bytes in this process (None on the CPU)."""
+    if device != "cuda":
+        return None
+    if framework == "jax":
+        import jax
+
+        stats = jax.local_devices()[0].memory_stats() or {}  # None where it is not kept
+        return stats.get("peak_bytes_in_use")
+    import torch
+
+    return int(torch.cuda.max_memory_allocated())
+
+
+def one(framework: str, size: str, ranks: int, progress: bool, device: str = "cpu") -> dict:
+    """Runs one audit here; what the parent reads (this process's peak RSS included, and on
+    a GPU its peak device memory)."""
     started = time.perf_counter()
     if framework == "jax":
-        report, params = jax_audit(size, progress)
+        report, params = jax_audit(size, progress)  # on JAX's default device
     else:
         loop = "hf_trainer" if framework == "hf_trainer" else "nanogpt"
-        report, params = torch_audit(size, ranks, loop, progress)
+        report, params = torch_audit(size, ranks, loop, progress, device)
     return {
         "seconds": time.perf_counter() - started,
         "peak_bytes": peak_rss(),
+        "device_peak_bytes": device_peak_bytes(framework, device),
         "params": int(params),
         "verdict": report.verdict,
         "residual": float(report.residual),

@@ -198,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--one", nargs=3, metavar=("FRAMEWORK", "SIZE", "RANKS"))
     parser.add_argument("--gpt2", action="store_true", help="the GPT-2-small audits, checked")
     parser.add_argument("--record", action="store_true", help="every size, into the record")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="with --one: torch's device, and the GPU's peak memory read (JAX: its default device)",
+    )
     args = parser.parse_args(argv)
     if args.record:
         record({case: measure(*case) for case in dict.fromkeys(CASES + GPT2_CASES)})
@@ -206,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.one:
         framework, size, ranks = args.one
-        print(json.dumps(one(framework, size, int(ranks), progress=sys.stderr.isatty())))
+        progress = sys.stderr.isatty()
+        print(json.dumps(one(framework, size, int(ranks), progress, args.device)))
         return 0
     if args.gpt2:
         return gpt2_main()

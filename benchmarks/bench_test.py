@@ -25,6 +25,7 @@ from benchmarks import (
     audit_cost,
     comm,
     gpu,
+    gpu_report,
     jax_vs_torch,
     micro_step,
     report,
@@ -226,11 +227,30 @@ def test_gpu_section(mlp):
         "big batch",
         "in-step scan",
         "multi_steps",
+        "optax.MultiSteps",
+        gpu.FLOOR,
     }
+    assert section.summary[-1][1] == f"{section.data['per_window_vs_optax']:.3f}"
+    assert gpu.jax_vs_torch("cpu") is None  # section 6b: on a GPU only
     overheads = {name: r["overhead"] for name, r in section.data["results"].items()}
-    assert [measured for _, measured, _, _ in section.summary] == [
+    assert [measured for _, measured, _, _ in section.summary[:2]] == [
         f"{overheads[n]:+.1%}" for n in ("in-step scan", "multi_steps")
     ]
+
+
+def test_gpu_section_quotes_the_recorded_gpu_run():
+    # without a GPU, section 6 quotes docs/benchmarks-gpu.md, the last GPU run's section
+    body = gpu.run("cpu").body
+    assert body.startswith(gpu.NOT_MEASURED) and "### 6. GPU" in body and "### 6b. GPU" in body
+    rows = gpu_report.section_rows(gpu.RECORD.read_text(), "## 6. GPU")
+    assert list(rows) == ["big batch", "in-step scan", "multi_steps", "optax.MultiSteps", gpu.FLOOR]
+    assert all(f"| {name} | {' | '.join(cells)} |" in body for name, cells in rows.items())
+
+
+def test_gpu_page_is_written_from_the_gpu_run_records():
+    # docs/parity-gpu.md: every number read from docs/gpu-run/ (python -m benchmarks.gpu_report)
+    assert gpu_report.render() == gpu_report.PAGE.read_text()
+    assert "**PASS: 12/12 checks within tolerance, 9/9 known bugs flagged**" in gpu_report.render()
 
 
 def test_report_renders(mlp):

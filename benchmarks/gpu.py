@@ -1,19 +1,28 @@
 """6. GPU: accumulation overhead against the big batch, ~100M-parameter bf16 GPT.
 
 Selected by ``--device cuda``; a CPU run writes "not measured: no GPU in this
-run". The model is the project's GPT at GPT-2-small width (12 layers,
-d_model 768, 12 heads, vocabulary 8192, T = 1024: 98.4M parameters), with
-bfloat16 parameters and matrix products (jaxaccum accumulates in float32).
-Three programs on the same global batch, AdamW, donated buffers:
+run" and quotes the last GPU run, recorded in ``docs/benchmarks-gpu.md`` (the
+output of ``python -m benchmarks --device cuda --sections 6``;
+``benchmarks/run_on_gpu.sh`` makes it). The model is the project's GPT at
+GPT-2-small width (12 layers, d_model 768, 12 heads, vocabulary 8192,
+T = 1024: 98.4M parameters), with bfloat16 parameters and matrix products
+(jaxaccum accumulates in float32). Programs on the same global batch, AdamW,
+donated buffers, each window dispatched as a training loop does (the calls
+back to back, blocked on once):
 
 * big batch: one step on ``global_rows`` rows;
 * in-step scan: ``jaxaccum.accumulate_gradients`` over ``k`` micro-batches;
-* multi_steps: ``k`` jitted micro-steps through ``jaxaccum.multi_steps``.
+* multi_steps: ``k`` jitted micro-steps through ``jaxaccum.multi_steps``;
+* optax.MultiSteps: the same through optax's wrapper;
+* the floor: the ``k`` micro-batches' gradients alone (no sum, no optimizer).
 
-Overhead = time / big-batch time - 1 (target <= 2%).
+Overhead = time / big-batch time - 1 (target <= 2%). Section 6b compares
+JAX and PyTorch tokens per second on the same GPT in float32 (section 5's code).
 """
 
 from __future__ import annotations
+
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -23,12 +32,51 @@ from benchmarks._common import Section, ms, table
 from benchmarks._models import Model, gpt_config, tiny_gpt
 
 NOT_MEASURED = "not measured: no GPU in this run"
+FLOOR = "k gradients alone (the floor)"
 TARGET = 0.02
+RECORD = pathlib.Path(__file__).resolve().parent.parent / "docs" / "benchmarks-gpu.md"
+
+
+def recorded() -> str:
+    """The last GPU run's sections (``RECORD``), a heading level down; '' without one."""
+    text = RECORD.read_text() if RECORD.exists() else ""
+    if "## 6. GPU" not in text:
+        return ""
+    sections = text[text.index("## 6. GPU") :].replace("\n## ", "\n### ")
+    return (
+        "The last GPU run, recorded in [docs/benchmarks-gpu.md](benchmarks-gpu.md) (its date,"
+        " GPU and versions at its top; docs/parity-gpu.md discusses it):\n\n#" + sections.strip()
+    )
 
 
 def gpt_100m():
     """GPT-2-small shapes with a byte-pair-sized vocabulary: 98.4M parameters."""
     return gpt_config(d_model=768, n_layer=12, n_head=12, vocab_size=8192, block_size=1024)
+
+
+def dispatched(variant: micro_step.Variant):
+    """A window of ``variant``: its ``k`` donated calls dispatched back to back and blocked on
+    once, as a training loop runs them (section 1 blocks on each call to time it)."""
+
+    def window():
+        for batch in variant.batches:
+            variant.params, variant.state = variant.step(variant.params, variant.state, batch)[:2]
+        return variant.params
+
+    return window
+
+
+def gradients_only(model: Model, batches: list):
+    """The floor of any accumulation: the ``k`` micro-batches' gradients, each computed and
+    dropped (no sum, no optimizer). Above the big batch, it is the cost of smaller matrix
+    products; above it, the cost of the accumulation."""
+    grad = jax.jit(jax.grad(lambda params, batch: model.loss_fn(params, batch)[0]))
+    params = model.params
+
+    def window():
+        return [grad(params, batch) for batch in batches][-1]
+
+    return window
 
 
 def has_gpu() -> bool:
@@ -65,7 +113,7 @@ def run(
         )
         return Section(
             title,
-            why + ".",
+            "\n\n".join(part for part in (why + ".", recorded()) if part),
             [
                 (
                     "accumulation overhead vs big batch, ~100M bf16 GPT",
@@ -82,13 +130,20 @@ def run(
     big = scan.build(model, None, global_rows)
     scanned = scan.build(model, k, global_rows)
     window = micro_step.build(model, "jaxaccum", "adamw", True, k, global_rows // k)
-    t = _common.interleaved(
-        {"big batch": big, "in-step scan": scanned, "multi_steps": window.window}, rounds
-    )
+    baseline = micro_step.build(model, micro_step.BASELINE, "adamw", True, k, global_rows // k)
+    programs = {
+        "big batch": big,
+        "in-step scan": scanned,
+        "multi_steps": dispatched(window),
+        micro_step.BASELINE: dispatched(baseline),
+        FLOOR: gradients_only(model, window.batches),
+    }
+    t = _common.interleaved(programs, rounds)
     res = {
         name: {
             "wall": t[name].wall,
             "overhead": _common.paired_ratio(t[name].walls, t["big batch"].walls) - 1,
+            "over_floor": _common.paired_ratio(t[name].walls, t[FLOOR].walls) - 1,
         }
         for name in t
     }
@@ -98,9 +153,15 @@ def run(
             f" x {model.tokens_per_row} tokens, k = {k}. Wall-clock medians over {rounds} interleaved rounds.",
             "",
             table(
-                ["program", "wall ms", "overhead vs big batch"],
-                [[n, ms(r["wall"]), f"{r['overhead']:+.1%}"] for n, r in res.items()],
+                ["program", "wall ms", "vs big batch", "vs the floor"],
+                [
+                    [n, ms(r["wall"]), f"{r['overhead']:+.1%}", f"{r['over_floor']:+.1%}"]
+                    for n, r in res.items()
+                ],
             ),
+            "",
+            "The floor (k gradients alone) is what the k smaller matrix products take in any"
+            " accumulation; what a program takes above it is its accumulation's own cost.",
         ]
     )
     summary = [
@@ -111,5 +172,46 @@ def run(
             res[n]["overhead"] <= TARGET,
         )
         for n in ("in-step scan", "multi_steps")
+    ] + [
+        (
+            f"above {FLOOR}, ~100M bf16 GPT, {n}",
+            f"{res[n]['over_floor']:+.1%}",
+            "(informative)",
+            None,
+        )
+        for n in ("in-step scan", "multi_steps")
     ]
-    return Section(title, body, summary, {"measured": True, "results": res})
+    per_window = _common.paired_ratio(t["multi_steps"].walls, t[micro_step.BASELINE].walls)
+    summary.append(
+        (
+            "multi_steps / optax.MultiSteps per window, donated, ~100M bf16 GPT",
+            f"{per_window:.3f}",
+            "(none; informative: float32 sums against optax's bfloat16 mean)",
+            None,
+        )
+    )
+    data = {"measured": True, "results": res, "per_window_vs_optax": per_window}
+    return Section(title, body, summary, data)
+
+
+def jax_vs_torch(device: str, *, seq_len: int = 1024, rows: int = 4, k: int = 8, rounds: int = 5):
+    """Section 5's comparison on the GPU at ~100M parameters (float32, TF32 matmuls on both
+    sides: JAX's default GPU precision, and torch's ``allow_tf32`` set to match)."""
+    if device != "cuda" or not has_gpu():
+        return None
+    import torch
+
+    from benchmarks import jax_vs_torch as section_5
+
+    before, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, True
+    try:
+        section = section_5.run(
+            seq_len=seq_len, rows=rows, k=k, rounds=rounds, device=device, config=gpt_100m()
+        )
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    section.title = "6b. GPU: JAX vs PyTorch tokens per second (~100M GPT, float32 with TF32)"
+    ratio = section.data["ratio"]  # wall: CPU time says little of a GPU's work
+    section.summary = [("tokens per second, JAX (jaxaccum) / PyTorch (torch_ref), ~100M GPT, GPU",
+                        f"{ratio:.2f}", "(none; informative)", None)]  # fmt: skip
+    return section

@@ -43,8 +43,10 @@ Two other markers:
    tokens``) are exported and marked;
 6. files whose numbers another check owns: ``docs/benchmarks.md``, written
    whole by ``python -m benchmarks`` from one run's measurements (its prose is
-   formatted from them too), and the table rows of ``docs/bad-inputs.md``, each
-   one checked by ``jaxaccum/_bad_input_test.py``;
+   formatted from them too), and its GPU run's ``docs/benchmarks-gpu.md``;
+   ``docs/parity-gpu.md``, written by ``python -m benchmarks.gpu_report`` from
+   that run's records (``benchmarks/bench_test.py``); the table rows of
+   ``docs/bad-inputs.md``, each one checked by ``jaxaccum/_bad_input_test.py``;
 7. a generated block, from ``<!-- NAME: begin ... -->`` to ``<!-- NAME: end -->``:
    its generator writes it and its test checks it is what the code produces
    (``docs/trl-invariance.md``'s table: ``parity_tests/trl_table_test.py``;
@@ -65,7 +67,11 @@ import pytest
 pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 
 SOURCES = {p.name[:2] for p in _headlines.LESSONS} | {"flax_lm"}
-GENERATED = {"docs/benchmarks.md": "Written by `python -m benchmarks"}  # and how it says so
+GENERATED = {  # and how each says so
+    "docs/benchmarks.md": "Written by `python -m benchmarks",
+    "docs/benchmarks-gpu.md": "Written by `python -m benchmarks",  # the GPU run's section 6
+    "docs/parity-gpu.md": "Written by `python -m benchmarks.gpu_report`",  # from its records
+}
 TABLES_CHECKED_ELSEWHERE = {"docs/bad-inputs.md"}
 
 

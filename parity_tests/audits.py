@@ -88,9 +88,12 @@ def audit_jax(name: str, fn: Callable, rows: tuple, devices: int, expected: str)
             return fn(*args)
 
     batch = {"input_ids": rows[0].astype(np.int32), "labels": rows[1].astype(np.int32)}
-    report = jaxaccum.audit.audit_window(  # run_audits shows one bar over the audits
-        loop, jax_loss, PARAMS, batch, k=K, num_devices=devices, progress=False
-    )
+    # a loop over more devices than the default backend has (one GPU): on JAX's CPU devices
+    where = jax.devices()[0] if len(jax.devices()) >= devices else jax.devices("cpu")[0]
+    with jax.default_device(where):
+        report = jaxaccum.audit.audit_window(  # run_audits shows one bar over the audits
+            loop, jax_loss, PARAMS, batch, k=K, num_devices=devices, progress=False
+        )
     return AuditRow("jax", name, devices, expected, report)
 
 

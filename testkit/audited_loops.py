@@ -196,6 +196,14 @@ def nnx_multi_steps(loss_fn: Callable, k: int, max_grad_norm: float | None = Non
 # ---- data parallel ------------------------------------------------------------------------------
 
 
+def mesh_devices(count: int) -> list:
+    """``count`` devices of the default device's platform: JAX's CPU devices under
+    ``jax.default_device(cpu)`` (a machine with one GPU has no two to split a batch over)."""
+    default = jax.config.jax_default_device
+    platform = getattr(default, "platform", default) or jax.default_backend()
+    return jax.devices(platform)[:count]
+
+
 def mean_of_global_means(loss_fn: Callable, devices: int) -> WindowFn:
     """nanoGPT's ``mean / k`` under plain ``jax.jit`` with each micro-batch sharded over
     ``devices`` (GSPMD's global view, Auto axes): the mean is over ALL its devices' items."""
@@ -203,7 +211,7 @@ def mean_of_global_means(loss_fn: Callable, devices: int) -> WindowFn:
 
     def window_fn(params, microbatches, optimizer):
         mesh = jax.make_mesh((devices,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
-                             devices=jax.devices()[:devices])  # fmt: skip
+                             devices=mesh_devices(devices))  # fmt: skip
         k = len(microbatches)
         grad = jax.jit(jax.grad(lambda p, mb: mean(p, mb) / k))
         params = jax.device_put(params, NamedSharding(mesh, P()))
@@ -222,7 +230,7 @@ def under_shard_map(per_device_grads: Callable, devices: int) -> WindowFn:
     (``local``: this device's rows of every micro-batch, ``[k, rows, ...]``)."""
 
     def window_fn(params, microbatches, optimizer):
-        mesh = jax.make_mesh((devices,), (AXIS,), devices=jax.devices()[:devices])
+        mesh = jax.make_mesh((devices,), (AXIS,), devices=mesh_devices(devices))
         stacked = jax.tree.map(lambda *xs: np.stack(xs), *microbatches)  # [k, rows, ...]
         stacked = jax.device_put(stacked, NamedSharding(mesh, P(None, AXIS)))  # rows split
         grads = jax.jit(
