@@ -13,6 +13,7 @@ The benchmarks run optax's own updates (optax.MultiSteps, a bare AdamW) through
 for the project's code only (``conftest.py``).
 """
 
+import contextlib
 import json
 
 import jax
@@ -229,6 +230,7 @@ def test_gpu_section(mlp):
         "multi_steps",
         "optax.MultiSteps",
         gpu.FLOOR,
+        *gpu.EXPERIMENTS.values(),
     }
     assert section.summary[-1][1] == f"{section.data['per_window_vs_optax']:.3f}"
     assert gpu.jax_vs_torch("cpu") is None  # section 6b: on a GPU only
@@ -236,6 +238,23 @@ def test_gpu_section(mlp):
     assert [measured for _, measured, _, _ in section.summary[:2]] == [
         f"{overheads[n]:+.1%}" for n in ("in-step scan", "multi_steps")
     ]
+
+
+def test_boundary_experiments_compute_the_loops_update(mlp):
+    # section 6's experiment: the boundary as a select or a cond instead of the while loops.
+    # One window of k = 2: the same parameters, up to float32 rounding (another fusion)
+    params, loops = {}, {}
+    for kind in ("loop", *gpu.EXPERIMENTS):
+        with gpu.boundary_as(kind) if kind != "loop" else contextlib.nullcontext():
+            variant = micro_step.build(mlp, "jaxaccum", "adamw", True, 2, 4)
+        params[kind] = jax.device_get(gpu.dispatched(variant)())
+        loops[kind] = (variant.hlo.count(" while("), variant.hlo.count(" conditional("))
+    assert loops == {"loop": (2, 0), "select": (0, 0), "cond": (0, 2)}  # the forms compiled
+    for kind in gpu.EXPERIMENTS:
+        for a, b in zip(
+            jax.tree.leaves(params["loop"]), jax.tree.leaves(params[kind]), strict=True
+        ):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
 def test_gpu_section_quotes_the_recorded_gpu_run():

@@ -14,7 +14,10 @@ back to back, blocked on once):
 * in-step scan: ``jaxaccum.accumulate_gradients`` over ``k`` micro-batches;
 * multi_steps: ``k`` jitted micro-steps through ``jaxaccum.multi_steps``;
 * optax.MultiSteps: the same through optax's wrapper;
-* the floor: the ``k`` micro-batches' gradients alone (no sum, no optimizer).
+* the floor: the ``k`` micro-batches' gradients alone (no sum, no optimizer);
+* an experiment: multi_steps with its boundary's ``while`` loops traced as a
+  ``select`` or a ``cond`` (:func:`boundary_as`), to tell whether the loops'
+  condition, read back by the host on a GPU, is what costs multi_steps there.
 
 Overhead = time / big-batch time - 1 (target <= 2%). Section 6b compares
 JAX and PyTorch tokens per second on the same GPT in float32 (section 5's code).
@@ -22,7 +25,9 @@ JAX and PyTorch tokens per second on the same GPT in float32 (section 5's code).
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +38,10 @@ from benchmarks._models import Model, gpt_config, tiny_gpt
 
 NOT_MEASURED = "not measured: no GPU in this run"
 FLOOR = "k gradients alone (the floor)"
+EXPERIMENTS = {  # boundary_as's forms of the boundary, and their rows
+    "select": "multi_steps, boundary as select (experiment)",
+    "cond": "multi_steps, boundary as cond (experiment)",
+}
 TARGET = 0.02
 RECORD = pathlib.Path(__file__).resolve().parent.parent / "docs" / "benchmarks-gpu.md"
 
@@ -52,6 +61,48 @@ def recorded() -> str:
 def gpt_100m():
     """GPT-2-small shapes with a byte-pair-sized vocabulary: 98.4M parameters."""
     return gpt_config(d_model=768, n_layer=12, n_head=12, vocab_size=8192, block_size=1024)
+
+
+def programs(model: Model, global_rows: int, k: int) -> dict:
+    """Each compared program's window, by name (compiled here)."""
+    rows = global_rows // k
+    window = micro_step.build(model, "jaxaccum", "adamw", True, k, rows)
+    units = {
+        "big batch": scan.build(model, None, global_rows),
+        "in-step scan": scan.build(model, k, global_rows),
+        "multi_steps": dispatched(window),
+        micro_step.BASELINE: dispatched(micro_step.build(model, micro_step.BASELINE, "adamw",
+                                                         True, k, rows)),
+        FLOOR: gradients_only(model, window.batches),
+    }  # fmt: skip
+    for kind in EXPERIMENTS:
+        with boundary_as(kind):
+            units[EXPERIMENTS[kind]] = dispatched(
+                micro_step.build(model, "jaxaccum", "adamw", True, k, rows)
+            )
+    return units
+
+
+@contextlib.contextmanager
+def boundary_as(kind: str) -> Iterator[None]:
+    """An experiment, while a step is traced: jaxaccum's zero-or-one-trip ``while`` loops
+    (``_once_if``: the window's close, the inner step) as a ``select`` (the body on every
+    call, as optax.MultiSteps does) or a ``cond``. XLA:GPU reads a loop's condition back to
+    the host; which form keeps a GPU busy is what this measures (docs/parity-gpu.md). The
+    numbers are the loop's, up to float32 rounding (bench_test)."""
+    from jaxaccum import _multi_steps
+
+    def select(pred, body, *carry):
+        return jax.tree.map(lambda new, old: jnp.where(pred, new, old), body(*carry), carry)
+
+    def cond(pred, body, *carry):
+        return jax.lax.cond(pred, lambda c: tuple(body(*c)), lambda c: c, carry)
+
+    loop, _multi_steps._once_if = _multi_steps._once_if, {"select": select, "cond": cond}[kind]
+    try:
+        yield
+    finally:
+        _multi_steps._once_if = loop
 
 
 def dispatched(variant: micro_step.Variant):
@@ -127,18 +178,7 @@ def run(
     model = model or tiny_gpt(
         gpt_100m(), seq_len=seq_len, param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16
     )
-    big = scan.build(model, None, global_rows)
-    scanned = scan.build(model, k, global_rows)
-    window = micro_step.build(model, "jaxaccum", "adamw", True, k, global_rows // k)
-    baseline = micro_step.build(model, micro_step.BASELINE, "adamw", True, k, global_rows // k)
-    programs = {
-        "big batch": big,
-        "in-step scan": scanned,
-        "multi_steps": dispatched(window),
-        micro_step.BASELINE: dispatched(baseline),
-        FLOOR: gradients_only(model, window.batches),
-    }
-    t = _common.interleaved(programs, rounds)
+    t = _common.interleaved(programs(model, global_rows, k), rounds)
     res = {
         name: {
             "wall": t[name].wall,

@@ -206,9 +206,10 @@ gradients alone, with no sum and no optimizer (the floor), already take
   every call and selects). XLA:GPU reads a `while` loop's condition back to the
   host unless the loop is captured in a CUDA graph, so each micro-step may wait
   for the device before it dispatches the rest. That alone does not explain why
-  `multi_steps` was slower dispatched ahead than blocked on. A `cond` would read
-  its predicate back the same way; the next GPU session should time a
-  select-based boundary beside the loop, with a profile of the gaps.
+  `multi_steps` was slower dispatched ahead than blocked on. Section 6 now times
+  the boundary traced as a `select` and as a `cond` beside the loop (rows
+  "experiment", added after this run; a `cond` may read its predicate back the
+  same way): the next GPU run tells.
 
 Until then, on a GPU prefer the in-step scan (`jaxaccum.accumulate_gradients`)
 when the window fits in one step: it is exactly the big-batch update too, and

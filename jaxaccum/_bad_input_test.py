@@ -11,6 +11,7 @@ remaining problem: the test asserts the behaviour we expect, and the reason
 says what happens instead.
 """
 
+import contextlib
 import pathlib
 import re
 from functools import partial
@@ -145,13 +146,18 @@ def auto_axis_under_jit():
         sgd(axis_name="data").init(PARAMS)
 
 
-def replicated_grads_under_explicit_jit():
-    mesh = jax.make_mesh((4,), ("data",))
+@contextlib.contextmanager
+def on_explicit_mesh():
+    """An Explicit mesh of 4 devices in context, and on it: sgd with axis_name, replicated
+    params, their state, 8 rows split over the devices."""
     tx = sgd(axis_name="data")
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(jax.make_mesh((4,), ("data",))):
         params = jax.device_put(PARAMS, P())
-        state = tx.init(params)
-        x = jax.device_put(jnp.ones((8, 2)), P("data"))
+        yield tx, params, tx.init(params), jax.device_put(jnp.ones((8, 2)), P("data"))
+
+
+def replicated_grads_under_explicit_jit():
+    with on_explicit_mesh() as (tx, params, state, x):
         # with respect to the replicated params: the partitioner all-reduces every call
         grads_of = lambda p, x: jax.grad(lambda p: jnp.sum(x @ p["w"]))(p)
         jax.jit(lambda p, s, x: tx.update(grads_of(p, x), s, p, num_items=8)[1])(params, state, x)
@@ -164,6 +170,13 @@ def batch_split_over_its_sequence_axis():
         tokens = jax.device_put(jnp.ones((8, 4, 2)), P(None, "data"))  # [rows, T, 2], T split
         loss = lambda p, x: (jnp.sum(x @ p["w"]), jnp.float32(x.shape[0] * x.shape[1]))
         jax.jit(jaxaccum.value_and_grad(loss, axis_name="data"))(params, tokens)
+
+
+def unreduced_items_outside_jit():
+    with on_explicit_mesh() as (tx, params, state, x):
+        loss = lambda p, x: (jnp.sum(x @ p["w"]), jnp.float32(x.shape[0]))
+        (_, items), grads = jax.jit(jaxaccum.value_and_grad(loss, axis_name="data"))(params, x)
+        tx.update(grads, state, params, num_items=items)  # eager: the sums are not reduced
 
 
 def state_without_axis_to_tx_with_axis():
@@ -277,6 +290,7 @@ RAISES = [
     ("axis_name_on_an_auto_mesh", auto_axis_under_jit, ValueError),
     ("grads_replicated_under_explicit_jit", replicated_grads_under_explicit_jit, ValueError),
     ("batch_split_over_its_sequence_axis", batch_split_over_its_sequence_axis, ValueError),
+    ("unreduced_items_outside_jit", unreduced_items_outside_jit, ValueError),
     ("grads_already_summed_by_autodiff", grads_summed_by_autodiff, ValueError),
     (
         "grads_already_summed_python_int_items",

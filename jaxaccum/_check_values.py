@@ -39,6 +39,12 @@ def _kind_matches(dtype: np.dtype, kind: str) -> bool:
     return is_int or jnp.issubdtype(dtype, jnp.floating)  # "real", bfloat16 included
 
 
+def _unreduced(value: Any) -> frozenset:
+    """The mesh axes a concrete array is an unreduced partial sum over (none: empty)."""
+    spec = getattr(getattr(value, "sharding", None), "spec", None)
+    return frozenset(getattr(spec, "unreduced", None) or ())
+
+
 def describe(value: Any) -> str:
     """A value in an error's words: its type and value, or its dtype and shape."""
     if isinstance(value, np.generic):
@@ -79,6 +85,13 @@ def scalar(
     if np.size(value) != 1:
         raise ValueError(f"{where}: `{name}` must be a scalar; got shape {np.shape(value)}.")
     if ok is not None and not isinstance(value, jax.core.Tracer):
+        if _unreduced(value):
+            raise ValueError(
+                f"{where}: `{name}` is a partial sum still unreduced over mesh axes"
+                f" {sorted(_unreduced(value))} (what jaxaccum.value_and_grad returns under"
+                " jax.jit on a mesh): it has no value outside jit. Call update inside the"
+                " jitted step that computes it."
+            )
         concrete = np.asarray(value).reshape(()).item()
         if not ok(concrete):
             raise ValueError(f"{where}: `{name}` must be {expected}; got {concrete!r}.")
