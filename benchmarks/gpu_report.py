@@ -160,7 +160,7 @@ The audits of the known loops that follow in the same run name {audits_right}
 of {len(audit_rows)} verdicts right (`docs/gpu-run/audits.txt`, the run's output); the
 JAX loops over 2 devices ran on JAX's CPU devices, the machine having one GPU:
 
-```
+```text
 {r["audits_table"].rstrip()}
 ```
 
