@@ -78,8 +78,8 @@ def batch_split(args: Any, axis_name: AxisName | None, caller: Caller = VALUE_AN
     ]
     batch_axes = set(_sharding.axes(axis_name))
     split = {path: _split_over(x, where, caller.row_axis) & batch_axes for path, x in leaves}
-    sliced = {path: bool(_split_within_rows(x, where, caller.row_axis) & batch_axes)
-              for path, x in leaves}  # fmt: skip
+    within_rows = lambda x: _split_within_rows(x, where, caller.row_axis) & batch_axes
+    sliced = {path: bool(within_rows(x)) for path, x in leaves}  # a row's tokens split
     unsplit = [path for path, x in leaves if split[path] != batch_axes]
     layouts = {path: _layout(x, split[path], where) for path, x in leaves}
     refuse = lambda paths: _not_split(
