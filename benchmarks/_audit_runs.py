@@ -119,17 +119,13 @@ def gpt2(size: str):
     return transformers.GPT2LMHeadModel(config)
 
 
-def on_model_device(model, batch: dict) -> dict:
-    """``batch``'s tensors on ``model``'s device (where a GPU user's loop puts them)."""
-    device = next(model.parameters()).device
-    return {name: value.to(device) for name, value in batch.items()}
-
-
 def loss_sum_on_device(model, batch: dict):
-    """``hf_causal_lm_loss_sum`` on the model's device: the audit's reference loss."""
+    """``hf_causal_lm_loss_sum`` with ``batch`` moved to the model's device (where a GPU
+    user's loop puts it): the audit's reference loss."""
     from torch_ref.audit import hf_causal_lm_loss_sum
 
-    return hf_causal_lm_loss_sum(model, on_model_device(model, batch))
+    device = next(model.parameters()).device
+    return hf_causal_lm_loss_sum(model, {name: x.to(device) for name, x in batch.items()})
 
 
 def nanogpt_torch(model, optimizer, microbatches) -> None:

@@ -137,6 +137,30 @@ def has_gpu() -> bool:
         return False
 
 
+def _not_measured(title: str, device: str) -> Section:
+    """Section 6 without a GPU: why, and the last GPU run's record."""
+    why = NOT_MEASURED + ("" if device != "cuda" else " (--device cuda, but JAX sees no GPU)")
+    body = "\n\n".join(part for part in (why + ".", recorded()) if part)
+    figure = "accumulation overhead vs big batch, ~100M bf16 GPT"
+    return Section(
+        title, body, [(figure, NOT_MEASURED, f"<= {TARGET:.0%}", None)], {"measured": False}
+    )
+
+
+def _summary(res: dict, per_window: float) -> list:
+    """Section 6's rows of the summary table: the target, the cost above the floor, optax."""
+    compared = ("in-step scan", "multi_steps")
+    over_big = [(f"accumulation overhead vs big batch, ~100M bf16 GPT, {n}",
+                 f"{res[n]['overhead']:+.1%}", f"<= {TARGET:.0%}", res[n]["overhead"] <= TARGET)
+                for n in compared]  # fmt: skip
+    over_floor = [(f"above {FLOOR}, ~100M bf16 GPT, {n}", f"{res[n]['over_floor']:+.1%}",
+                   "(informative)", None) for n in compared]  # fmt: skip
+    optax_row = ("multi_steps / optax.MultiSteps per window, donated, ~100M bf16 GPT",
+                 f"{per_window:.3f}",
+                 "(none; informative: float32 sums against optax's bfloat16 mean)", None)  # fmt: skip
+    return over_big + over_floor + [optax_row]
+
+
 def run(
     device: str,
     *,
@@ -157,24 +181,7 @@ def run(
     """
     title = "6. GPU: accumulation overhead vs big batch (~100M bf16 GPT)"
     if not force and (device != "cuda" or not has_gpu()):
-        why = (
-            NOT_MEASURED
-            if device != "cuda"
-            else NOT_MEASURED + " (--device cuda, but JAX sees no GPU)"
-        )
-        return Section(
-            title,
-            "\n\n".join(part for part in (why + ".", recorded()) if part),
-            [
-                (
-                    "accumulation overhead vs big batch, ~100M bf16 GPT",
-                    NOT_MEASURED,
-                    f"<= {TARGET:.0%}",
-                    None,
-                )
-            ],
-            {"measured": False},
-        )
+        return _not_measured(title, device)
     model = model or tiny_gpt(
         gpt_100m(), seq_len=seq_len, param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16
     )
@@ -204,32 +211,8 @@ def run(
             " accumulation; what a program takes above it is its accumulation's own cost.",
         ]
     )
-    summary = [
-        (
-            f"accumulation overhead vs big batch, ~100M bf16 GPT, {n}",
-            f"{res[n]['overhead']:+.1%}",
-            f"<= {TARGET:.0%}",
-            res[n]["overhead"] <= TARGET,
-        )
-        for n in ("in-step scan", "multi_steps")
-    ] + [
-        (
-            f"above {FLOOR}, ~100M bf16 GPT, {n}",
-            f"{res[n]['over_floor']:+.1%}",
-            "(informative)",
-            None,
-        )
-        for n in ("in-step scan", "multi_steps")
-    ]
     per_window = _common.paired_ratio(t["multi_steps"].walls, t[micro_step.BASELINE].walls)
-    summary.append(
-        (
-            "multi_steps / optax.MultiSteps per window, donated, ~100M bf16 GPT",
-            f"{per_window:.3f}",
-            "(none; informative: float32 sums against optax's bfloat16 mean)",
-            None,
-        )
-    )
+    summary = _summary(res, per_window)
     data = {"measured": True, "results": res, "per_window_vs_optax": per_window}
     return Section(title, body, summary, data)
 

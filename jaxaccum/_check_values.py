@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxaccum import _sharding
+
 
 def _dtype_of(value: Any) -> np.dtype | None:
     """The dtype of a number or an array; None for anything else (a str, None)."""
@@ -37,12 +39,6 @@ def _kind_matches(dtype: np.dtype, kind: str) -> bool:
     if kind == "int":
         return is_int
     return is_int or jnp.issubdtype(dtype, jnp.floating)  # "real", bfloat16 included
-
-
-def _unreduced(value: Any) -> frozenset:
-    """The mesh axes a concrete array is an unreduced partial sum over (none: empty)."""
-    spec = getattr(getattr(value, "sharding", None), "spec", None)
-    return frozenset(getattr(spec, "unreduced", None) or ())
 
 
 def describe(value: Any) -> str:
@@ -85,10 +81,11 @@ def scalar(
     if np.size(value) != 1:
         raise ValueError(f"{where}: `{name}` must be a scalar; got shape {np.shape(value)}.")
     if ok is not None and not isinstance(value, jax.core.Tracer):
-        if _unreduced(value):
+        unreduced = _sharding.spec_of(value).unreduced  # a partial sum outside jit
+        if unreduced:
             raise ValueError(
                 f"{where}: `{name}` is a partial sum still unreduced over mesh axes"
-                f" {sorted(_unreduced(value))} (what jaxaccum.value_and_grad returns under"
+                f" {sorted(unreduced)} (what jaxaccum.value_and_grad returns under"
                 " jax.jit on a mesh): it has no value outside jit. Call update inside the"
                 " jitted step that computes it."
             )
