@@ -120,10 +120,11 @@ def audit_invariance(
             loss_fn, params, jax.tree.map(lambda x: x[i : i + 1], batch)
         )
     names = [f"k={layout.k} x R={layout.num_devices}" for layout in layouts]
+    rows = dict(row_items=items, row_grad=row_grad)
+    settings = dict(learning_rate=float(learning_rate), max_grad_norm=max_grad_norm)
     return bigbatch.invariance_report(
-        names, one_batch, updates, row_items=items, row_grad=row_grad, progress=progress,
-        learning_rate=float(learning_rate), max_grad_norm=max_grad_norm,
-    )  # fmt: skip
+        names, one_batch, updates, **rows, **settings, progress=progress
+    )
 
 
 def _takes_devices(window_fn: WindowFn, layouts: list[bigbatch.CellLayout]) -> bool:

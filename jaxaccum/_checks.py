@@ -45,8 +45,8 @@ def every_k_schedule(schedule: Any) -> Callable[[jax.Array], jax.Array]:
     where = "multi_steps"
     if not callable(schedule):
         expected = "an int >= 1 (micro-batches per update) or a callable update_id -> int"
-        scalar(schedule, "every_k_schedule", where=where, kind="int", expected=expected,
-               ok=lambda k: k >= 1)  # fmt: skip
+        ok = lambda k: k >= 1
+        scalar(schedule, "every_k_schedule", where=where, kind="int", expected=expected, ok=ok)
         if not isinstance(schedule, numbers.Integral):  # a 0-d integer array
             raise TypeError(
                 f"{where}: `every_k_schedule` must be {expected}; got {describe(schedule)}."

@@ -37,14 +37,12 @@ class DynamicLossScale:
 
     def __post_init__(self) -> None:
         def check(name, kind, expected, ok):
-            scalar(
-                getattr(self, name), name, where="DynamicLossScale", kind=kind,
-                expected=expected, ok=ok,
-            )  # fmt: skip
+            value, where = getattr(self, name), "DynamicLossScale"
+            scalar(value, name, where=where, kind=kind, expected=expected, ok=ok)
 
+        finite_in_float32 = lambda v: np.isfinite(np.float32(v)) and v > 0
         with np.errstate(over="ignore"):  # 1e39 -> inf in float32 is the point of the check
-            check("init_scale", "real", "a finite float32 number > 0",
-                  lambda v: np.isfinite(np.float32(v)) and v > 0)  # fmt: skip
+            check("init_scale", "real", "a finite float32 number > 0", finite_in_float32)
         check("growth_factor", "real", "a finite number > 1", lambda v: np.isfinite(v) and v > 1)
         check("backoff_factor", "real", "a number in (0, 1)", lambda v: 0 < v < 1)
         check("growth_interval", "int", "an int >= 1", lambda v: v >= 1)

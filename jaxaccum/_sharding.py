@@ -81,10 +81,6 @@ def uses(spec: P, axis_name: AxisName) -> bool:
     return bool(used & set(axes(axis_name)))
 
 
-def _reshard(x: jax.Array, spec: P) -> jax.Array:
-    return jax.reshard(x, spec)
-
-
 def unreduced_spec(param: Any, axis_name: AxisName) -> P:
     """An in-step gradient sum of ``param`` under jit: unreduced over the axis, else like
     ``param`` (FSDP: a gradient reduced onto the parameter's shards)."""
@@ -110,14 +106,15 @@ def zero_sum(param: Any, dtype: Any, axis_name: AxisName | None, where: Placemen
     if where is Placement.EXPLICIT:
         spec = spec_of(param)
         if uses(spec, axis_name):  # FSDP: kept like the parameter
-            return _reshard(zeros, spec)
+            return jax.reshard(zeros, spec)
         rows = jnp.zeros((_devices_along(axis_name), *jnp.shape(param)), dtype)
-        return _reshard(rows, row_spec(spec, axis_name))
+        return jax.reshard(rows, row_spec(spec, axis_name))
     return zeros
 
 
-def zero_sums(params: Any, dtype: Any, items_dtype: Any, axis_name: AxisName | None,
-              where: Placement) -> dict:  # fmt: skip
+def zero_sums(
+    params: Any, dtype: Any, items_dtype: Any, axis_name: AxisName | None, where: Placement
+) -> dict:
     """The three window sums of a fresh state: ``grad_sum``, ``loss_sum``, ``num_items``."""
     zero = jnp.zeros((), items_dtype)
     return dict(
@@ -139,8 +136,9 @@ def replicated(tree: Any, where: Placement) -> Any:
     return jax.tree.map(lambda x: jax.reshard(x, P(*(None,) * jnp.ndim(x))), tree)
 
 
-def to_stored(x: jax.Array, window_sum: jax.Array, axis_name: AxisName | None,
-              where: Placement) -> jax.Array:  # fmt: skip
+def to_stored(
+    x: jax.Array, window_sum: jax.Array, axis_name: AxisName | None, where: Placement
+) -> jax.Array:
     """This call's value (a gradient leaf, or a scalar) in its window sum's dtype and layout."""
     x = jnp.asarray(x).astype(window_sum.dtype)
     if where is Placement.PER_DEVICE:
@@ -150,8 +148,9 @@ def to_stored(x: jax.Array, window_sum: jax.Array, axis_name: AxisName | None,
     return x
 
 
-def from_stored(window_sum: jax.Array, ndim: int, axis_name: AxisName | None,
-                where: Placement) -> jax.Array:  # fmt: skip
+def from_stored(
+    window_sum: jax.Array, ndim: int, axis_name: AxisName | None, where: Placement
+) -> jax.Array:
     """A window sum as this device's partial sum of an ``ndim``-dimensional value."""
     if where is Placement.PER_DEVICE:
         return window_sum[0]
@@ -187,7 +186,7 @@ def _out_of_rows(rows: jax.Array, axis_name: AxisName) -> jax.Array:
     spec = spec_of(rows)
     out = rebuild(P(*spec.partitions[1:]), unreduced=frozenset(axes(axis_name)))
     if rows.shape[0] == 1:  # one device: jax 0.10.2 cannot lower this shard_map there
-        return _reshard(rows[0], out)
+        return jax.reshard(rows[0], out)
     read = lambda block: jax.lax.pcast(block[0], axis_name, to="unreduced")
     return jax.shard_map(read, in_specs=spec, out_specs=out)(rows)
 
@@ -212,11 +211,12 @@ def reduced_zeros(window_sum: jax.Array, dtype: Any) -> jax.Array:
     zeros = jnp.zeros(window_sum.shape, dtype)
     if spec is None:
         return zeros
-    return _reshard(zeros, rebuild(spec, unreduced=frozenset()))
+    return jax.reshard(zeros, rebuild(spec, unreduced=frozenset()))
 
 
-def updates_slot(grads: Any, grad_sum: Any, update_types: Any, axis_name: AxisName | None,
-                 where: Placement) -> Any:  # fmt: skip
+def updates_slot(
+    grads: Any, grad_sum: Any, update_types: Any, axis_name: AxisName | None, where: Placement
+) -> Any:
     """The loop carry that receives the window's updates (zero between boundaries).
 
     The inner optimizer's update dtypes, the parameters' shardings. On one
@@ -240,7 +240,7 @@ def updates_slot(grads: Any, grad_sum: Any, update_types: Any, axis_name: AxisNa
 def like(x: jax.Array, target: jax.Array) -> jax.Array:
     """``x`` resharded to ``target``'s explicit sharding (a no-op when they agree)."""
     spec = _named_spec(target)
-    return x if spec is None or _named_spec(x) == spec else _reshard(x, spec)
+    return x if spec is None or _named_spec(x) == spec else jax.reshard(x, spec)
 
 
 def reduce_over_devices(sums: Any, axis_name: AxisName | None) -> Any:
@@ -260,7 +260,7 @@ def reduce_over_devices(sums: Any, axis_name: AxisName | None) -> Any:
         spec = spec_of(x)
         if not spec.unreduced & set(axes(axis_name)):
             return x
-        return _reshard(x, rebuild(spec, unreduced=spec.unreduced - set(axes(axis_name))))
+        return jax.reshard(x, rebuild(spec, unreduced=spec.unreduced - set(axes(axis_name))))
 
     return jax.tree.map(reduce, sums)
 
