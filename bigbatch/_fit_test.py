@@ -123,7 +123,7 @@ def test_no_update_and_a_nan_update():
 def test_dependent_cell_gradients_are_refused():
     layout, grads = window(4, 1)
     grads[0, 2] = 2.0 * grads[0, 3]  # two cells that push the parameters the same way
-    with pytest.raises(ValueError, match="batch: the gradients of its 3 cells"):
+    with pytest.raises(ValueError, match="batch: the gradients of its 4 cells"):
         run(layout, grads, np.ones(layout.items.shape))
 
 

@@ -5,10 +5,11 @@ The known bugs differ only in how they weigh cells that hold different items
 means *is* the big batch. So the audit lays the rows out to make the cells as
 unequal as equal row counts allow (every cell gets the same number of rows:
 shapes must not change between micro-batches). It sorts the rows by items and
-hands out consecutive blocks: the emptiest blocks to the last device (no item
-at all when there are enough rows without items), the next ones to device 0
-(few items), the fullest to the devices in between. On one device the
-micro-batches differ instead, the first one the emptiest.
+hands out consecutive blocks: the emptiest blocks to the last device, the next
+ones to device 0 (few items), the fullest to the devices in between. On one
+device the micro-batches differ instead, the first one the emptiest. No cell is
+left without items where the rows allow it: the weight of such a cell cannot be
+seen, and a loop that drops it would pass.
 """
 
 from __future__ import annotations
@@ -100,8 +101,10 @@ def layout_rows(
 
     Sorted by items, the rows are cut into ``C = R * k_window`` consecutive
     blocks of ``p = floor(B / C)`` rows (the rows in the middle of the order
-    beyond ``C * p`` are left out). Block ``j`` goes to device
-    ``[R-1, 0, 1, ..., R-2][j // k_window]``, micro-batch ``j % k_window``.
+    beyond ``C * p`` are left out). A block without items swaps a row for the
+    row with the fewest items of a block holding two or more rows with items.
+    Block ``j`` goes to device ``[R-1, 0, 1, ..., R-2][j // k_window]``,
+    micro-batch ``j % k_window``.
 
     Args:
       row_items: ``[B]`` the items of each row of the batch (non-negative).
@@ -143,7 +146,7 @@ def layout_rows(
     low, high = used // 2, used - used // 2  # keep both ends of the order: the extremes
     kept = np.concatenate([order[:low], order[order.size - high :]])
     left_out = np.sort(order[low : order.size - high])
-    blocks = kept.reshape(cells, per_cell)
+    blocks = _no_block_without_items(kept.reshape(cells, per_cell), row_items)
     device_order = [num_devices - 1, *range(num_devices - 1)]  # emptiest to the last device
     rows = np.empty((num_devices, k_window, per_cell), np.int64)
     for rank, device in enumerate(device_order):
@@ -158,6 +161,28 @@ def layout_rows(
         left_out=left_out.astype(np.int64),
         first_labels=first_labels,
     )
+
+
+def _no_block_without_items(blocks: np.ndarray, row_items: np.ndarray) -> np.ndarray:
+    """``blocks`` (sorted by items) with no block left without items where the rows allow it.
+
+    A cell without items has a zero gradient whatever a loop does with it, so a loop that
+    drops it (a micro-batch lost to a misplaced ``zero_grad``, a device's rows never fed)
+    would look exact. Each such block swaps one of its rows for the row with the fewest
+    items among the blocks that hold two or more rows with items. With one row per cell
+    (or too few rows with items) an empty cell stays, and the report says its weight
+    is not seen.
+    """
+    blocks = blocks.copy()
+    for empty in np.flatnonzero(row_items[blocks].sum(axis=1) == 0):
+        items = row_items[blocks]
+        donors = (items > 0).sum(axis=1, keepdims=True) >= 2
+        candidates = np.where(donors & (items > 0), items, np.inf)
+        if not np.isfinite(candidates.min()):
+            break
+        donor, j = np.unravel_index(np.argmin(candidates), candidates.shape)
+        blocks[[empty, donor], [0, j]] = blocks[donor, j], blocks[empty, 0]
+    return blocks
 
 
 def first_labels_of(batch: Any) -> np.ndarray | None:

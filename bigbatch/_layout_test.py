@@ -1,4 +1,5 @@
-"""The layout: equal rows per cell, cells as unequal as that allows, the emptiest last."""
+"""The layout: equal rows per cell, cells as unequal as that allows, the emptiest last, and
+no cell without items where the rows allow it."""
 
 from __future__ import annotations
 
@@ -13,14 +14,26 @@ SKEWED = np.array([0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 8, 9, 10, 11], float)
 def test_four_devices_one_empty_one_with_few():
     layout = bigbatch.layout_rows(SKEWED, k=4, num_devices=4)
     assert layout.rows.shape == (4, 4, 1) and layout.left_out.size == 0
-    # exact integers: the last device gets the 4 rows without an item, device 0 the next fewest
+    # exact integers: the last device gets the 4 rows without an item, device 0 the next fewest;
+    # one row per cell, so the last device's cells stay without items (nothing to swap)
     np.testing.assert_array_equal(layout.items.sum(axis=1), [6, 18, 38, 0])
+    assert np.all(layout.items[-1] == 0)
     assert sorted(layout.rows.reshape(-1).tolist()) == list(range(16))  # every row once
 
 
 def test_one_device_the_microbatches_differ():
     layout = bigbatch.layout_rows(SKEWED, k=4, num_devices=1)
-    np.testing.assert_array_equal(layout.items, [[0, 6, 18, 38]])  # 4 rows each
+    # 4 rows each: the block of the 4 rows without an item takes the next block's row of 1 item
+    np.testing.assert_array_equal(layout.items, [[1, 5, 18, 38]])
+
+
+def test_a_block_without_items_takes_a_row_with_the_fewest():
+    layout = bigbatch.layout_rows(SKEWED, k=4, num_devices=2)  # 2 rows per cell, 2 empty blocks
+    np.testing.assert_array_equal(layout.items, [[7, 11, 17, 21], [1, 2, 1, 2]])
+    assert sorted(layout.rows.reshape(-1).tolist()) == list(range(16))  # every row once
+    # too few rows with items to give each cell one: the cells left over stay empty
+    layout = bigbatch.layout_rows(np.array([0, 0, 0, 0, 0, 0, 3, 5], float), k=4, num_devices=1)
+    np.testing.assert_array_equal(layout.items, [[3, 0, 0, 5]])  # 3 swapped into the first
 
 
 def test_microbatch_rows_are_contiguous_device_slices():

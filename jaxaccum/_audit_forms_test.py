@@ -46,12 +46,11 @@ def big_batch_norm(batch) -> float:
 
 def test_a_mean_per_global_micro_batch_on_two_devices_by_hand():
     report = audit(loops.mean_of_global_means(tiny_lm_loss, 2), SKEWED, k=K, num_devices=2)
-    # the layout: device 0 holds 7, 11, 17, 21 items, device 1 0, 0, 2, 4 (N = 62); a global
-    # micro-batch m holds M_m = 7, 11, 19, 25 and each of its items weighs N / (k M_m)
-    np.testing.assert_array_equal(report.items, [[7, 11, 17, 21], [0, 0, 2, 4]])
-    by_hand = 62 / (4 * np.array([7.0, 11.0, 19.0, 25.0]))
-    np.testing.assert_allclose(report.weights[0], by_hand, rtol=WEIGHT_RTOL)
-    np.testing.assert_allclose(report.weights[1, 2:], by_hand[2:], rtol=WEIGHT_RTOL)
+    # the layout: device 0 holds 7, 11, 17, 21 items, device 1 1, 2, 1, 2 (N = 62); a global
+    # micro-batch m holds M_m = 8, 13, 18, 23 and each of its items weighs N / (k M_m)
+    np.testing.assert_array_equal(report.items, [[7, 11, 17, 21], [1, 2, 1, 2]])
+    by_hand = 62 / (4 * np.array([8.0, 13.0, 18.0, 23.0]))
+    np.testing.assert_allclose(report.weights, [by_hand, by_hand], rtol=WEIGHT_RTOL)
     assert_recovers(report, "mean_of_global_means")
     assert report.matches == ("mean_of_global_means",)  # not the mean of means (1/(k R n_c))
     assert "a global view: jax.jit on a sharded batch" in str(report), report

@@ -58,8 +58,10 @@ def rows(tokens: list[int], seed: int = 0) -> dict[str, np.ndarray]:
 # 16 rows, all with tokens (a mean per micro-batch stays finite): the one-device loops
 FULL_TOKENS = [1, 1, 2, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 11, 11]
 FULL = rows(FULL_TOKENS)
-# 16 rows, four without a token: the last device of a data-parallel window gets none
+# 16 rows, four without a token: the layout spreads them, no cell is without a token
 SKEWED = rows([0, 0, 0, 0, 1, 1, 2, 2, 3, 4, 5, 6, 8, 9, 10, 11], seed=1)
+# one row per cell of a one-device window of K, the first without a token: a cell stays empty
+ONE_EMPTY = rows([0, 1, 3, 5], seed=2)
 PARAMS = tiny_lm_params()
 
 
@@ -132,8 +134,8 @@ def test_jaxaccum_on_one_device_is_the_big_batch():
     report = audit(jaxaccum_window("one_device"), SKEWED, k=K)
     assert report.passed, report
     assert_recovers(report, "exact")
-    # micro-batch 0 holds the four rows without a token: left out of the fit
-    assert report.empty_cells == [(0, 0)] and np.isnan(report.weights[0, 0])
+    # the four rows without a token are spread: every cell holds one, and its weight is seen
+    assert report.empty_cells == [] and np.all(report.items > 0)
     # float32: the update is the big batch's to ~1e-7 relative; 1e-5 leaves 100x room
     assert report.update_error <= 1e-5
 
@@ -151,14 +153,29 @@ def masked_mean_window(params, microbatches, optimizer):
     return sgd_step(params, tree_sum(grads), optimizer)
 
 
+def test_a_loop_that_drops_a_micro_batch_without_items_here_fails():
+    # a misplaced zero_grad loses micro-batch 0; the layout put SKEWED's emptiest rows there,
+    # and a cell without items would hide the loss (its gradient is zero whatever its weight)
+
+    def drops_first(params, microbatches, optimizer):  # right, but for micro-batch 0
+        kept = microbatches[1:]
+        grads = [jax.grad(lambda p, mb: tiny_lm_loss(p, mb)[0])(params, mb) for mb in kept]
+        items = sum(tiny_lm_loss(params, mb)[1] for mb in kept)
+        return sgd_step(params, jax.tree.map(lambda g: g / items, tree_sum(grads)), optimizer)
+
+    report = audit(drops_first, SKEWED, k=K)
+    assert not report.passed and report.verdict != "exact", report
+    assert report.max_weight_error >= 1.0 - WEIGHT_RTOL  # micro-batch 0 weighs 0, not 1/N
+
+
 def test_a_mean_of_means_with_an_empty_microbatch():
-    # the layout of SKEWED gives micro-batch 0 no token. causal_lm masks with a select, so
-    # its 0/0 mean has a zero gradient: the audit still names the bug from the other cells
-    report = audit(nanogpt_window, SKEWED, k=K)
+    # one row per cell: ONE_EMPTY's first micro-batch has no token. causal_lm masks with a
+    # select, so its 0/0 mean has a zero gradient: the audit names the bug from the other cells
+    report = audit(nanogpt_window, ONE_EMPTY, k=K)
     assert_recovers(report, "mean_of_means")
     assert report.empty_cells == [(0, 0)]
     # a mask multiplied in turns the 0/0 into a NaN gradient (inf * 0): reported, not fitted
-    report = audit(masked_mean_window, SKEWED, k=K)
+    report = audit(masked_mean_window, ONE_EMPTY, k=K)
     assert report.verdict == "unknown" and not report.finite and not report.passed
     assert np.all(np.isnan(report.weights)) and report.residual == np.inf
     assert "NaN" in str(report) and "micro-batch 0" in str(report), report

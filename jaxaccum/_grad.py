@@ -156,7 +156,11 @@ def _nnx_value_and_grad(nnx, loss_fn, axis_name, model, args, loss_scale):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def objective(params, loss_scale, rest, *args):
-        module = nnx.merge(graphdef, params, own_streams(rest, axis_name))
+        # fresh variables of this trace (a tree.map rebuilds them): the loss may update
+        # them (an RNG count, a batch statistic), and the given ones belong to the caller's
+        module = nnx.merge(
+            graphdef, params, jax.tree.map(lambda x: x, own_streams(rest, axis_name))
+        )
         loss_sum, num_items = loss_fn(module, *own_streams(args, axis_name))
         new_rest = nnx.state(module, nnx.Not(nnx.Param))
         new_rest = jax.tree.map(lambda new, old: old if is_key(old) else new, new_rest, rest)

@@ -66,7 +66,8 @@ def next_loss_scale(
     neither (an empty one) changes nothing.
 
     Args:
-      config: the schedule, or None (no loss scaling: nothing changes).
+      config: the schedule, or None (no loss scaling: the scale is 1 from the
+        next window on, even where a restored state held another).
       scale: float32, the scale the window was computed with.
       good_windows: int32, applied windows since the scale last changed.
       applied: bool, the window was applied.
@@ -86,8 +87,8 @@ def next_loss_scale(
       16.0 0
       8.0 0
     """
-    if config is None:
-        return scale, good_windows
+    if config is None:  # a state saved with loss scaling: its open window was scaled, no later one
+        return jnp.ones_like(scale, jnp.float32), good_windows
     applied, overflow = jnp.asarray(applied), jnp.asarray(overflow)
     tracker = good_windows + applied.astype(jnp.int32)
     grown = (scale * config.growth_factor).astype(jnp.float32)

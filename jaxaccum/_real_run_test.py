@@ -141,6 +141,35 @@ def test_an_nnx_module_draws_per_device_and_keeps_its_rng_stream():
     assert int(model.drop.rngs.count[...]) == 1  # one draw per call, not one per device
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
+def test_on_one_device_an_nnx_module_updates_its_dropout_count_and_batch_statistics(jit):
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+            self.norm = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+            self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(dropout=1))
+
+    def loss_fn(m, b):
+        out = m.drop(m.norm(m.lin(b["x"])))
+        return jnp.sum((out - b["y"]) ** 2), jnp.float32(b["x"].shape[0])
+
+    ours, theirs = Net(), Net()
+    wrap = nnx.jit if jit else (lambda f: f)
+    (loss, items), grads = wrap(jaxaccum.value_and_grad(loss_fn))(ours, BATCH)
+    (loss_ref, _), grads_ref = wrap(nnx.value_and_grad(loss_fn, has_aux=True))(theirs, BATCH)
+    # the same function differentiated: float32 of the same operations (1e-6: XLA may fuse
+    # them otherwise)
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-6)
+    assert float(items) == 8.0
+    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True):
+        np.testing.assert_allclose(g, ref, rtol=1e-6, atol=1e-7)
+    assert int(ours.drop.rngs.count[...]) == int(theirs.drop.rngs.count[...]) == 1
+    np.testing.assert_allclose(ours.norm.mean[...], theirs.norm.mean[...], rtol=1e-6)
+    assert float(jnp.abs(ours.norm.mean[...]).max()) > 0  # the statistics moved
+
+
 def test_the_in_step_scan_draws_a_mask_per_device_too():
     mesh = jax.make_mesh((DEVICES,), ("data",))
     keys = jax.random.split(jax.random.key(5), 2)  # one per micro-batch

@@ -112,7 +112,8 @@ def _same(value: np.ndarray, target: Any, where: str) -> np.ndarray:
 def _window_sum(value: np.ndarray, target: Any, where: str) -> np.ndarray:
     """A saved window sum in the target's layout, its total over devices unchanged."""
     shape = tuple(target.shape)
-    if value.shape == shape:  # same layout (or an FSDP sum, sharded like its parameter)
+    # the same layout (or an FSDP sum, sharded like its parameter), or another accumulator_dtype
+    if value.shape == shape or value.dtype != target.dtype:
         return _same(value, target, where)
     wide = value.astype(np.float64)
     if value.ndim == len(shape) and value.shape[1:] == shape[1:]:  # rows, another count

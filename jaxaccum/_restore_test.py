@@ -1,0 +1,93 @@
+"""`restore_state` into an optimizer configured otherwise than the saved one.
+
+Two changes of configuration a run makes when it resumes: it leaves fp16 loss
+scaling (the next updates must not stay divided by the old scale), and it
+changes ``accumulator_dtype`` (refused on every device count: an open window's
+sums are not recast). The routes themselves: ``_checkpoint_routes_test.py``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
+
+# float32 sums of two micro-batches, scaled and unscaled by a power of two: a few ulps of O(1)
+# gradients; the bug this guards against is a factor 65536
+RTOL = 1e-6
+
+
+def loss_fn(params, x, y):
+    """A summed squared error and its item count."""
+    return jnp.sum((x @ params["w"] - y) ** 2), jnp.float32(x.shape[0])
+
+
+def window_update(micro_batches):
+    """SGD(1) on the big batch: minus the gradient of (summed loss / items)."""
+    x = np.concatenate([m[0] for m in micro_batches])
+    y = np.concatenate([m[1] for m in micro_batches])
+    grad = jax.grad(lambda p: loss_fn(p, x, y)[0] / x.shape[0])({"w": jnp.zeros(3)})
+    return -np.asarray(grad["w"])
+
+
+def test_a_state_saved_with_loss_scaling_resumes_unscaled_after_its_open_window():
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(n, 3)).astype(np.float32), rng.normal(size=n).astype(np.float32))
+               for n in (2, 3, 1, 4)]  # fmt: skip
+    params = {"w": jnp.zeros(3)}
+    grad = jaxaccum.value_and_grad(loss_fn)
+    scaled = jaxaccum.multi_steps(optax.sgd(1.0), 2, loss_scaling=jaxaccum.DynamicLossScale())
+    state = scaled.init(params)
+    (loss_sum, items), g = grad(params, *batches[0], loss_scale=jaxaccum.loss_scale(state))
+    _, state = scaled.update(g, state, params, num_items=items, loss_sum=loss_sum)
+    saved = jax.device_get(state)  # mid-window: the sums are scaled by 65536
+
+    unscaled = jaxaccum.multi_steps(optax.sgd(1.0), 2)
+    state = jaxaccum.restore_state(saved, like=unscaled.init(params))
+    assert float(jaxaccum.loss_scale(state)) == 2.0**16  # the open window's sums keep theirs
+    (loss_sum, items), g = grad(params, *batches[1], loss_scale=jaxaccum.loss_scale(state))
+    updates, state = unscaled.update(g, state, params, num_items=items, loss_sum=loss_sum)
+    np.testing.assert_allclose(updates["w"], window_update(batches[:2]), rtol=RTOL)
+    assert float(jaxaccum.loss_scale(state)) == 1.0
+
+    for batch in batches[2:]:  # the loop of a run without loss scaling: plain gradients
+        (loss_sum, items), g = grad(params, *batch)
+        updates, state = unscaled.update(g, state, params, num_items=items, loss_sum=loss_sum)
+    np.testing.assert_allclose(updates["w"], window_update(batches[2:]), rtol=RTOL)
+    assert jaxaccum.window_metrics(state).to_python()["loss_scale"] == 1.0
+
+
+def mesh_state(tx, devices, window_step=1):
+    """``tx.init`` on a mesh of ``devices`` (None: one device, no mesh), ``window_step``
+    micro-batches in."""
+    params = {"w": jnp.zeros(3)}
+    if devices is None:
+        state = tx.init(params)
+        for _ in range(window_step):
+            _, state = tx.update({"w": jnp.ones(3)}, state, params, num_items=1.0)
+        return state
+    mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
+    with jax.set_mesh(mesh):
+        params = jax.device_put(params, P())
+        state = tx.init(params)
+        if window_step:
+            grad = jaxaccum.value_and_grad(loss_fn, axis_name="data")
+            x = jax.device_put(np.ones((devices, 3), np.float32), P("data"))
+            y = jax.device_put(np.ones(devices, np.float32), P("data"))
+            step = lambda s: tx.update(grad(params, x, y)[1], s, params, num_items=1.0)[1]
+            state = jax.jit(step)(state)
+        return state
+
+
+@pytest.mark.parametrize("new_devices", [None, 2, 4])
+def test_a_window_sum_in_another_accumulator_dtype_is_refused_on_any_device_count(new_devices):
+    tx = lambda dtype, devices: jaxaccum.multi_steps(
+        optax.sgd(1.0), 4, axis_name=devices and "data", accumulator_dtype=dtype
+    )
+    saved = jax.device_get(mesh_state(tx(jnp.float32, 4), 4))
+    like = mesh_state(tx(jnp.bfloat16, new_devices), new_devices, window_step=0)
+    with pytest.raises(ValueError, match=r"grad_sum\['w'\] was saved as float32.*has bfloat16"):
+        jaxaccum.restore_state(saved, like=like)
