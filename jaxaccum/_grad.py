@@ -38,7 +38,10 @@ def value_and_grad(
     PRNG key among ``args`` (and a module's ``nnx.Rngs`` streams) is folded with
     the device's index there (``jax.random.fold_in(key, axis_index)``), so each
     device draws its own dropout mask, as the same step under plain ``jit``
-    draws distinct rows. The keys the module keeps are written back unchanged.
+    draws distinct rows. An array of keys split over the devices with the rows
+    (a key per row) is each device's own already and is left as it is: it
+    draws the masks it draws on one device. The keys the module keeps are
+    written back unchanged.
     A raw ``uint32[2]`` key (``jax.random.PRNGKey``) is refused: pass
     ``jax.random.key(seed)``. ``params`` may be a pytree or a
     ``flax.nnx.Module`` (then ``loss_fn`` takes the module, ``grads`` is the

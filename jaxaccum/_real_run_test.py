@@ -141,6 +141,26 @@ def test_an_nnx_module_draws_per_device_and_keeps_its_rng_stream():
     assert int(model.drop.rngs.count[...]) == 1  # one draw per call, not one per device
 
 
+def test_a_key_per_row_split_with_the_rows_draws_the_one_device_masks():
+    def loss_fn(params, batch):
+        keep = jax.vmap(lambda key: jax.random.bernoulli(key, 0.5, (3,)))(batch["key"])
+        return regression_loss(params, {**batch, "x": jnp.where(keep, 2.0 * batch["x"], 0.0)})
+
+    batch = {**BATCH, "key": jax.random.split(jax.random.key(7), 8)}  # one per row
+    tx = jaxaccum.multi_steps(optax.sgd(LR), 1)
+    (loss_sum, items), grads = jaxaccum.value_and_grad(loss_fn)(PARAMS, batch)
+    one_device = tx.update(grads, tx.init(PARAMS), PARAMS, num_items=items, loss_sum=loss_sum)
+    data_parallel = jaxaccum.multi_steps(optax.sgd(LR), 1, axis_name="data")
+    with jax.set_mesh(jax.make_mesh((DEVICES,), ("data",))):
+        params = jax.device_put(PARAMS, P())
+        step = jit_step(data_parallel, loss_fn)
+        params = step(params, data_parallel.init(params), jax.device_put(batch, P("data")))[0]
+    # the same masks (keys folded with the device index would draw others): the rows' float32
+    # sums in another grouping, SGD_ATOL
+    expected = PARAMS["w"] + one_device[0]["w"]
+    np.testing.assert_allclose(jax.device_get(params["w"]), expected, atol=SGD_ATOL)
+
+
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx_jit"])
 def test_on_one_device_an_nnx_module_updates_its_dropout_count_and_batch_statistics(jit):
     from flax import nnx

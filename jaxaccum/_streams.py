@@ -20,8 +20,12 @@ def own_streams(tree: Any, axis_name: AxisName | None) -> Any:
 
     ``loss_fn`` runs per device (a ``shard_map`` under ``jit``, or yours): a
     replicated key would draw the same dropout mask on every device, where the
-    same step under plain ``jit`` draws distinct rows. Outside a per-device
-    context, or without ``axis_name``, ``tree`` is returned as it is.
+    same step under plain ``jit`` draws distinct rows. An array of keys is
+    folded key by key; one split over the devices (a key per row, where JAX
+    tracks what varies: ``jit`` on a mesh, ``shard_map``) is each device's own
+    already and is left as it is, so it draws what it draws on one device.
+    Outside a per-device context, or without ``axis_name``, ``tree`` is
+    returned as it is.
     """
     if axis_name is None or _sharding.placement(axis_name) is not Placement.PER_DEVICE:
         return tree
@@ -30,7 +34,13 @@ def own_streams(tree: Any, axis_name: AxisName | None) -> Any:
     except NameError:  # the axis is not bound: not per device
         return tree
     _refuse_raw_keys(tree, axis_name, index)
-    fold = lambda x: jax.random.fold_in(x, index) if is_key(x) else x
+    batch_axes = frozenset(_sharding.axes(axis_name))
+
+    def fold(x):
+        if not is_key(x) or batch_axes <= _sharding.varying_axes(x):
+            return x  # not a key, or keys split over the devices with the rows already
+        return jnp.vectorize(lambda key: jax.random.fold_in(key, index))(x)
+
     return jax.tree.map(fold, tree)
 
 
