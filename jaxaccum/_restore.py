@@ -27,6 +27,8 @@ def restore_state(saved: Any, like: Any) -> Any:
     zeros in the others. The window's sum over devices is unchanged, so the
     window finishes as it would have (to float32 rounding; bitwise when the
     device count is the same, since then the rows are copied as they are).
+    A ``pmap`` state (a copy of every leaf per device) restores onto the same
+    device count only.
 
     Args:
       saved: the saved optimizer state (a pytree with ``like``'s paths).
@@ -102,9 +104,16 @@ def _window_sum_paths(keys: list[tuple[str, ...]]) -> set[tuple[str, ...]]:
 
 def _same(value: np.ndarray, target: Any, where: str) -> np.ndarray:
     if value.shape != tuple(target.shape) or value.dtype != target.dtype:
+        copies = value.ndim == target.ndim > 0 and value.shape[1:] == tuple(target.shape[1:])
+        hint = (
+            " A `pmap` state holds a copy of every leaf per device: it restores onto the"
+            " same number of devices only."
+            if copies and value.dtype == target.dtype
+            else ""
+        )
         raise ValueError(
             f"restore_state: leaf {where} was saved as {value.dtype}{list(value.shape)};"
-            f" `like` has {target.dtype}{list(target.shape)}."
+            f" `like` has {target.dtype}{list(target.shape)}.{hint}"
         )
     return value
 

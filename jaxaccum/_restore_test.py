@@ -91,3 +91,12 @@ def test_a_window_sum_in_another_accumulator_dtype_is_refused_on_any_device_coun
     like = mesh_state(tx(jnp.bfloat16, new_devices), new_devices, window_step=0)
     with pytest.raises(ValueError, match=r"grad_sum\['w'\] was saved as float32.*has bfloat16"):
         jaxaccum.restore_state(saved, like=like)
+
+
+def test_a_pmap_state_onto_another_device_count_is_refused_with_the_reason():
+    tx = jaxaccum.multi_steps(optax.sgd(1.0), 2, axis_name="data")
+    state = lambda devices: jax.pmap(tx.init, devices=jax.devices()[:devices])(
+        {"w": jnp.zeros((devices, 3))}
+    )
+    with pytest.raises(ValueError, match="window_step was saved as int32.4.*same number of dev"):
+        jaxaccum.restore_state(jax.device_get(state(4)), like=state(2))

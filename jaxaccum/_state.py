@@ -23,8 +23,13 @@ class WindowMetrics(NamedTuple):
       update_id: int32, updates applied since ``init`` (after this window).
         Skipped windows do not count; the inner optimizer counts the same.
       window_items: the window's global ``num_items`` ``N``: items of all its
-        micro-batches on all devices (float32, float64 with float64 sums).
-      cumulative_items: ``N`` summed over every applied window.
+        micro-batches on all devices (float32, float64 with float64 sums):
+        exact while it is below 2**24 (16,777,216) in float32.
+      cumulative_items: ``N`` summed over every applied window, in the same
+        dtype: exact below 2**24 in float32, then to float32's rounding, which
+        adds up over windows (measured: 9e-5 relative after 20,000 windows of
+        2,000,003 items). For a long run's token count, add ``window_items``
+        up on the host (``WindowLog``) or enable float64.
       loss: the window's mean loss ``sum(loss_sum) / N``; NaN when it has no
         value: ``loss_sum`` was not passed on every call of the window, or the
         window was empty. A non-finite window records what it computed.
