@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +41,8 @@ def accumulate_gradients(
       loss_fn: ``loss_fn(params, microbatch) -> (loss_sum, num_items)``: the
         summed loss (differentiated) and the number of items it adds up (not
         differentiated), e.g. :func:`jaxaccum.losses.causal_lm`.
-      params: the parameters.
+      params: the parameters, a pytree (a ``flax.nnx.Module`` is refused: pass
+        its ``nnx.Param`` state from ``nnx.split`` and merge it in ``loss_fn``).
       microbatches: pytree whose leaves have a leading micro-batch axis ``k``.
       axis_name: the mesh axis the batch is split over (``jax.jit`` on an
         Explicit mesh, ``shard_map`` or ``pmap``), or ``None`` (one device, or
@@ -61,6 +63,7 @@ def accumulate_gradients(
       >>> float(grads), float(metrics['loss'])  # (3 * -2 + 1 * -10) / 4, (3 * 1 + 25) / 4
       (-4.0, 7.0)
     """
+    _refuse_module(params)
     placement = _sharding.placement(axis_name)
     batch_split(microbatches, axis_name, ACCUMULATE)  # [k, rows, ...] leaves, rows split
     if placement is Placement.EXPLICIT and batch_only_mesh(axis_name):
@@ -86,6 +89,21 @@ def accumulate_gradients(
         "grad_norm": totals.grad_norm,
     }
     return grads, metrics
+
+
+def _refuse_module(params: Any) -> None:
+    """A ``flax.nnx.Module`` is not a pytree of parameters: name the split that makes one."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(params, nnx.Module):
+        raise TypeError(
+            "accumulate_gradients: `params` must be a pytree of parameters; got a"
+            f" flax.nnx.Module ({type(params).__name__}). Split it: graphdef, params, rest ="
+            " nnx.split(model, nnx.Param, ...), and pass lambda p, mb:"
+            " loss_fn(nnx.merge(graphdef, p, rest), mb) with params; the gradients are an"
+            " nnx.State for optimizer.update(model, grads). For a loss that updates the"
+            " module's own state (a dropout count, batch statistics) use multi_steps with"
+            " jaxaccum.value_and_grad."
+        )
 
 
 def _window(loss_fn, params, microbatches, axis_name, accumulator_dtype):

@@ -179,6 +179,14 @@ def unreduced_items_outside_jit():
         tx.update(grads, state, params, num_items=items)  # eager: the sums are not reduced
 
 
+def nnx_module_to_accumulate_gradients():
+    from flax import nnx
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    loss_fn = lambda m, mb: (jnp.sum(m(mb)), jnp.float32(mb.shape[0]))
+    jaxaccum.accumulate_gradients(loss_fn, model, jnp.ones((2, 3, 2)))
+
+
 def state_without_axis_to_tx_with_axis():
     plain_state = sgd().init(PARAMS)
     tx = sgd(axis_name="data")
@@ -290,6 +298,7 @@ RAISES = [
     ("axis_name_on_an_auto_mesh", auto_axis_under_jit, ValueError),
     ("grads_replicated_under_explicit_jit", replicated_grads_under_explicit_jit, ValueError),
     ("batch_split_over_its_sequence_axis", batch_split_over_its_sequence_axis, ValueError),
+    ("nnx_module_to_accumulate_gradients", nnx_module_to_accumulate_gradients, TypeError),
     ("unreduced_items_outside_jit", unreduced_items_outside_jit, ValueError),
     ("grads_already_summed_by_autodiff", grads_summed_by_autodiff, ValueError),
     (

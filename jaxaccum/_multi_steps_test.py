@@ -61,11 +61,29 @@ def test_optax_multisteps_gives_the_mean_of_means_on_the_same_data():
     assert float(params["w"]) == 6.0
 
 
+HAND_BATCHES_STACKED = {"y": jnp.array([1.0, 5.0]), "n": jnp.array([3.0, 1.0])}
+
+
 def test_accumulate_gradients_gives_the_same_window():
-    batches = {"y": jnp.array([1.0, 5.0]), "n": jnp.array([3.0, 1.0])}
+    batches = HAND_BATCHES_STACKED
     grads, metrics = jaxaccum.accumulate_gradients(quadratic_loss, {"w": jnp.array(0.0)}, batches)
     assert float(grads["w"]) == -4.0  # exact, see HAND_BATCHES
     assert float(metrics["loss"]) == 7.0
+    assert float(metrics["window_items"]) == 4.0
+
+
+def test_accumulate_gradients_on_an_nnx_module_split_as_its_error_says():
+    from flax import nnx
+
+    model = nnx.Linear(1, 1, use_bias=False, rngs=nnx.Rngs(0))
+    model.kernel[...] = jnp.zeros((1, 1))
+    loss_fn = lambda m, b: quadratic_loss({"w": m(jnp.ones((1, 1)))[0, 0]}, b)
+    with pytest.raises(TypeError, match="nnx.split"):
+        jaxaccum.accumulate_gradients(loss_fn, model, HAND_BATCHES_STACKED)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    merged = lambda p, b: loss_fn(nnx.merge(graphdef, p, rest), b)
+    grads, metrics = jaxaccum.accumulate_gradients(merged, params, HAND_BATCHES_STACKED)
+    assert float(grads["kernel"][...][0, 0]) == -4.0  # the window above, w = kernel
     assert float(metrics["window_items"]) == 4.0
 
 
