@@ -304,7 +304,9 @@ def test_restore_state_names_a_leaf_it_cannot_place():
     tx = cross_count_tx(None)
     params = tiny_lm_params()
     state = tx.init(params)
-    bad = state._replace(grad_sum={"embed": np.zeros((3, 5)), "proj": state.grad_sum["proj"]})
+    bad = state._replace(
+        grad_sum={"embed": np.zeros((3, 5), np.float32), "proj": state.grad_sum["proj"]}
+    )
     with pytest.raises(ValueError, match=r"window sum .*grad_sum.*'embed'.* no device count"):
         jaxaccum.restore_state(jax.device_get(bad), like=state)
     with pytest.raises(ValueError, match="has no leaf"):
