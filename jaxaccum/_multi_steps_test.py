@@ -335,3 +335,35 @@ def test_causal_lm_of_low_precision_logits_under_strict_promotion(dtype):
     loss_sum, num_items = losses.causal_lm(rounded, labels)
     assert low_sum.dtype == jnp.float32 and float(low_items) == float(num_items) == 3.0
     np.testing.assert_allclose(float(low_sum), float(loss_sum), rtol=1e-6)  # fp32 arithmetic
+
+
+def test_a_zero_size_parameter_under_shard_map_is_carried_through_the_window():
+    # an empty leaf (a bucket of zero rows) lost its shard_map vma in the boundary's reset
+    mesh = jax.make_mesh((4,), ("data",))
+    tx = jaxaccum.multi_steps(optax.sgd(1.0), 2, axis_name="data")
+    params = {"w": jnp.ones(3), "e": jnp.zeros((0,))}
+    specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, params), "data")
+    state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))(params)
+
+    def loss_fn(p, b):
+        return jnp.sum((b["x"] @ p["w"] + jnp.sum(p["e"]) - b["y"]) ** 2), jnp.float32(len(b["y"]))
+
+    grad_fn = jaxaccum.value_and_grad(loss_fn, axis_name="data")
+
+    def step(params, state, batch):
+        (loss_sum, num_items), grads = grad_fn(params, batch)
+        return tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
+
+    in_specs = (P(), specs, P("data"))
+    step = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=in_specs, out_specs=(P(), specs)))
+    rng = np.random.default_rng(0)
+    rows = lambda *shape: rng.normal(size=shape).astype(np.float32)
+    batches = [{"x": rows(8, 3), "y": rows(8)} for _ in range(2)]
+    for batch in batches:
+        placed = jax.device_put(batch, jax.NamedSharding(mesh, P("data")))
+        updates, state = step(params, state, placed)
+    big = {k: np.concatenate([b[k] for b in batches]) for k in ("x", "y")}
+    grads = jax.grad(lambda p: loss_fn(p, big)[0] / 16.0)(params)
+    assert updates["e"].shape == (0,)
+    # float32 sums of 16 rows in another grouping: a few ulps of O(1) gradients
+    np.testing.assert_allclose(updates["w"], -grads["w"], rtol=1e-5)
