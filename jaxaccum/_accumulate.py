@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 
 from jaxaccum import _sharding
 from jaxaccum._check_batch import ACCUMULATE, batch_split
-from jaxaccum._grad import batch_only_mesh, gather
+from jaxaccum._grad import batch_only_mesh, gather, nnx_of
 from jaxaccum._grad import value_and_grad as jaxaccum_value_and_grad
 from jaxaccum._normalize import normalize_window
 from jaxaccum._sharding import Placement
@@ -93,8 +92,7 @@ def accumulate_gradients(
 
 def _refuse_module(params: Any) -> None:
     """A ``flax.nnx.Module`` is not a pytree of parameters: name the split that makes one."""
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is not None and isinstance(params, nnx.Module):
+    if nnx_of(params) is not None:
         raise TypeError(
             "accumulate_gradients: `params` must be a pytree of parameters; got a"
             f" flax.nnx.Module ({type(params).__name__}). Split it: graphdef, params, rest ="

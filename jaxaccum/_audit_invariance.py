@@ -120,10 +120,15 @@ def audit_invariance(
             loss_fn, params, jax.tree.map(lambda x: x[i : i + 1], batch)
         )
     names = [f"k={layout.k} x R={layout.num_devices}" for layout in layouts]
-    rows = dict(row_items=items, row_grad=row_grad)
-    settings = dict(learning_rate=float(learning_rate), max_grad_norm=max_grad_norm)
     return bigbatch.invariance_report(
-        names, one_batch, updates, **rows, **settings, progress=progress
+        names,
+        one_batch,
+        updates,
+        row_items=items,
+        row_grad=row_grad,
+        progress=progress,
+        learning_rate=float(learning_rate),
+        max_grad_norm=max_grad_norm,
     )
 
 

@@ -123,12 +123,16 @@ def audit_window(
     update = _update(window_fn, params, batch, layout, learning_rate)
     cells = jax.tree.map(lambda x: x[layout.rows], batch)  # [R, k_window, p, ...]
     cell_grad = lambda r, m: _cell_grad(loss_fn, params, jax.tree.map(lambda x: x[r, m], cells))
-    learning_rate = float(learning_rate)
     products = bigbatch.cell_products(
-        cell_grad, update, layout, learning_rate=learning_rate, progress=progress
+        cell_grad, update, layout, learning_rate=float(learning_rate), progress=progress
     )
-    settings = dict(learning_rate=learning_rate, max_grad_norm=max_grad_norm)
-    return bigbatch.audit_update(products, layout, params_rounding=_rounding(params), **settings)
+    return bigbatch.audit_update(
+        products,
+        layout,
+        learning_rate=float(learning_rate),
+        params_rounding=_rounding(params),
+        max_grad_norm=max_grad_norm,
+    )
 
 
 def _update(window_fn, params, batch, layout, learning_rate, **window_kwargs) -> list[np.ndarray]:

@@ -80,8 +80,8 @@ def value_and_grad(
 
     def wrapped(params, *args, loss_scale: Any = None):
         batch_split(args, axis_name)
-        nnx = sys.modules.get("flax.nnx")
-        if nnx is not None and isinstance(params, nnx.Module):
+        nnx = nnx_of(params)
+        if nnx is not None:
             return _nnx_value_and_grad(nnx, loss_fn, axis_name, params, args, loss_scale)
 
         def objective(params, loss_scale, *args):
@@ -93,6 +93,12 @@ def value_and_grad(
         return values, grads
 
     return wrapped
+
+
+def nnx_of(params: Any) -> Any:
+    """``flax.nnx`` when ``params`` is one of its modules (imported by the caller), else None."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx if nnx is not None and isinstance(params, nnx.Module) else None
 
 
 def _differentiate(objective, params, args, axis_name):

@@ -37,8 +37,8 @@ class DynamicLossScale:
 
     def __post_init__(self) -> None:
         def check(name, kind, expected, ok):
-            value, where = getattr(self, name), "DynamicLossScale"
-            scalar(value, name, where=where, kind=kind, expected=expected, ok=ok)
+            where = "DynamicLossScale"
+            scalar(getattr(self, name), name, where=where, kind=kind, expected=expected, ok=ok)
 
         finite_in_float32 = lambda v: np.isfinite(np.float32(v)) and v > 0
         with np.errstate(over="ignore"):  # 1e39 -> inf in float32 is the point of the check

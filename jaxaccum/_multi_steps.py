@@ -264,9 +264,9 @@ def _consumed(state: MultiStepsState, totals: WindowTotals) -> dict:
     boundary: the old sum kept for the division, the zeros put in its place.
     """
     read = ~(totals.grad_norm < 0)
-    zero = lambda window_sum: jnp.where(read, jnp.zeros((), window_sum.dtype), window_sum)
-    return dict(  # an empty leaf: nothing to reset (where() would drop its shard_map vma)
-        grad_sum=jax.tree.map(lambda s: s if s.size == 0 else zero(s), state.grad_sum),
+    zero = lambda s: s if s.size == 0 else jnp.where(read, jnp.zeros((), s.dtype), s)
+    return dict(  # an empty sum: nothing to reset (where() would drop its shard_map vma)
+        grad_sum=jax.tree.map(zero, state.grad_sum),
         loss_sum=zero(state.loss_sum),
         num_items=zero(state.num_items),
     )
