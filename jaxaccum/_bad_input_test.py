@@ -179,6 +179,33 @@ def unreduced_items_outside_jit():
         tx.update(grads, state, params, num_items=items)  # eager: the sums are not reduced
 
 
+def state_made_outside_the_mesh():
+    """``tx.init`` called before ``jax.set_mesh``: its sums have one row, not one per device."""
+    tx = sgd(axis_name="data")
+    state = tx.init(PARAMS)
+    with on_explicit_mesh() as (_, params, _, x):
+        loss = lambda p, x: (jnp.sum(x @ p["w"]), jnp.float32(x.shape[0]))
+        value_and_grad = jaxaccum.value_and_grad(loss, axis_name="data")
+
+        def step(p, s, x):
+            (_, items), grads = value_and_grad(p, x)
+            return tx.update(grads, s, p, num_items=items)[1]
+
+        jax.jit(step)(params, state, x)
+
+
+def nnx_batch_statistics_per_device():
+    """A BatchNorm without ``axis_name``: each device's statistics of its own rows."""
+    from flax import nnx
+
+    with on_explicit_mesh() as (_, _, _, x):
+        model = nnx.Sequential(
+            nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+        )
+        loss = lambda m, x: (jnp.sum(m(x) ** 2), jnp.float32(x.shape[0]))
+        nnx.jit(jaxaccum.value_and_grad(loss, axis_name="data"))(model, x)
+
+
 def nnx_module_to_accumulate_gradients():
     from flax import nnx
 
@@ -298,6 +325,8 @@ RAISES = [
     ("axis_name_on_an_auto_mesh", auto_axis_under_jit, ValueError),
     ("grads_replicated_under_explicit_jit", replicated_grads_under_explicit_jit, ValueError),
     ("batch_split_over_its_sequence_axis", batch_split_over_its_sequence_axis, ValueError),
+    ("state_made_outside_the_mesh", state_made_outside_the_mesh, ValueError),
+    ("nnx_batch_statistics_per_device", nnx_batch_statistics_per_device, ValueError),
     ("nnx_module_to_accumulate_gradients", nnx_module_to_accumulate_gradients, TypeError),
     ("unreduced_items_outside_jit", unreduced_items_outside_jit, ValueError),
     ("grads_already_summed_by_autodiff", grads_summed_by_autodiff, ValueError),

@@ -1,5 +1,5 @@
 """The gradients handed to ``update`` fit the state and the route: structure, shapes, dtype,
-and no collective already done (every error names the leaf).
+and no collective already done; the window sums laid out for the mesh (every error names the leaf).
 
 Per device (``shard_map``, ``pmap``): the axis is bound, the gradients were not
 summed over it by autodiff, and block norms are visible. Under ``jit`` on an
@@ -144,6 +144,36 @@ def grads_join_without_collective(grads: Any, grad_sum: Any, axis_name: AxisName
                 " and make the state with tx.init under the same mesh. A replicated gradient"
                 " was all-reduced already: for that (GSPMD) path build multi_steps without"
                 " axis_name."
+            )
+
+
+def sums_in_rows(state: Any, grads: Any, axis_name: AxisName) -> None:
+    """Under ``jit`` on an Explicit mesh: each window sum kept in rows holds one row per
+    device, split over the axis. A state made outside the mesh, or for another number of
+    devices, would be broadcast against the rows, adding its open window once per device."""
+    devices = _sharding.devices_along(axis_name)
+    sums = [
+        (f"grad_sum{jax.tree_util.keystr(path)}", s, jnp.ndim(g))
+        for (path, g), s in zip(
+            jax.tree_util.tree_flatten_with_path(grads)[0],
+            jax.tree.leaves(state.grad_sum),
+            strict=True,
+        )
+    ]
+    sums += [("loss_sum", state.loss_sum, 0), ("num_items", state.num_items, 0)]
+    for where, window_sum, ndim in sums:
+        if window_sum.ndim != ndim + 1:
+            continue  # FSDP: kept like the parameter (the gradients' check covers it)
+        rows_axis = (*_sharding.spec_of(window_sum).partitions, None)[0]
+        split = rows_axis is not None and _sharding.axes(rows_axis) == _sharding.axes(axis_name)
+        if window_sum.shape[0] != devices or not split:
+            raise ValueError(
+                f"multi_steps.update: the state's window sum {where} has type"
+                f" {jax.typeof(window_sum)}; under jax.jit on an Explicit mesh with"
+                f" axis {axis_name!r} ({devices} devices) it must hold one row per device,"
+                f" shape ({devices}, ...) split over {axis_name!r}. Make the state with"
+                " tx.init under jax.set_mesh(mesh); a state made outside the mesh or on"
+                " another number of devices comes over with jaxaccum.restore_state."
             )
 
 

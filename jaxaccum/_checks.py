@@ -159,6 +159,7 @@ def update_call(
         _check_grads.block_norms_visible(axis_name)
         _check_grads.grads_not_summed(grads_value, axis_name)
     elif placement is Placement.EXPLICIT:
+        _check_grads.sums_in_rows(state, grads_value, axis_name)
         _check_grads.grads_join_without_collective(grads_value, state.grad_sum, axis_name)
 
 

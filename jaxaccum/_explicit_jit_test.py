@@ -161,6 +161,41 @@ def test_replicated_gradients_are_refused_under_explicit_jit():
             step(params, state, x)
 
 
+def test_a_state_made_outside_the_mesh_is_refused_and_restore_state_brings_it_over():
+    """A state from ``tx.init`` outside the mesh has one row per sum: broadcast against
+    the mesh's rows, its open window would join once per device (here 3 items + 8 read
+    40 items in the window). It is refused; ``restore_state`` carries it over exactly."""
+    mesh = jax.make_mesh((DEVICES,), ("data",))
+    tx = jaxaccum.multi_steps(optax.sgd(0.1), K, axis_name="data")
+    outside = tx.init({"w": jnp.zeros(3)})  # one device's layout: rows of length 1
+    half_window = outside._replace(
+        window_step=jnp.int32(1),
+        grad_sum={"w": jnp.full((1, 3), 6.0)},
+        loss_sum=jnp.full((1,), 2.0),
+        num_items=jnp.full((1,), 3.0),
+    )
+    loss_fn = lambda p, x: (jnp.sum(x @ p["w"]), jnp.float32(x.shape[0]))
+    value_and_grad = jaxaccum.value_and_grad(loss_fn, axis_name="data")
+
+    @jax.jit
+    def step(params, state, x):
+        (loss_sum, num_items), grads = value_and_grad(params, x)
+        return tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
+
+    with jax.set_mesh(mesh):
+        params = jax.device_put({"w": jnp.zeros(3)}, P())
+        x = jax.device_put(jnp.ones((8, 3)), P("data"))
+        with pytest.raises(ValueError, match=r"grad_sum\['w'\].*one row per device, shape \(4"):
+            step(params, half_window, x)
+        state = jaxaccum.restore_state(half_window, like=tx.init(params))
+        updates, state = step(params, state, x)
+    record = jaxaccum.window_metrics(state)
+    # the window: 3 + 8 items (small integers: exact in float32), gradient sums 6 + 8 per
+    # weight; the update -0.1 * 14 / 11 to float32 rounding of the division and the product
+    assert float(record.window_items) == 11.0
+    np.testing.assert_allclose(np.asarray(updates["w"]), np.full(3, -0.1 * 14 / 11), rtol=1e-6)
+
+
 # -- Parameter sharding alongside data parallelism, on an MLP with skewed masks.
 
 D_IN, HIDDEN, D_OUT, ROWS = 8, 16, 4, 8  # rows per micro-batch (global)

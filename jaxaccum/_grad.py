@@ -142,7 +142,7 @@ def _per_device_under_jit(grad, params, args, axis_name):
     def per_device(params, args):
         grads, (values, extra) = grad(jax.lax.pcast(params, axis_name, to="varying"), *args)
         partial_sums = jax.tree.map(lambda x: as_unreduced(x, axis_name), (grads, values))
-        return partial_sums, extra
+        return partial_sums, _same_on_every_device(extra, axis_name)
 
     in_specs = (jax.tree.map(lambda _: jax.P(), params), jax.tree.map(_sharding.spec_of, args))
     unreduced = jax.P(unreduced=frozenset(_sharding.axes(axis_name)))
@@ -153,6 +153,22 @@ def _per_device_under_jit(grad, params, args, axis_name):
         lambda g, p, s: scatter_like(g, p) if s else g, grads, params, sharded
     )
     return grads, (values, extra)
+
+
+def _same_on_every_device(module_state: Any, axis_name: AxisName) -> Any:
+    """The module's non-parameter state leaves each device's ``shard_map`` as one copy:
+    refuses a leaf that each device computed from its own rows."""
+    for path, x in jax.tree_util.tree_flatten_with_path(module_state)[0]:
+        if set(_sharding.axes(axis_name)) & _sharding.varying_axes(x):
+            raise ValueError(
+                f"jaxaccum.value_and_grad: the module's state {jax.tree_util.keystr(path)}"
+                " differs from device to device: each device computed it from its own rows"
+                " (a BatchNorm's batch statistics, say), and the module keeps one copy of"
+                f" it. Compute it over every device's rows (nnx.BatchNorm(...,"
+                f" axis_name={axis_name!r}) averages its statistics with a pmean), or map"
+                " the step with jax.shard_map, whose out_specs can keep a copy per device."
+            )
+    return module_state
 
 
 def _nnx_value_and_grad(nnx, loss_fn, axis_name, model, args, loss_scale):

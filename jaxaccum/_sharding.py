@@ -93,7 +93,8 @@ def row_spec(spec: P, axis_name: AxisName) -> P:
     return P(axis_name, *spec.partitions)
 
 
-def _devices_along(axis_name: AxisName) -> int:
+def devices_along(axis_name: AxisName) -> int:
+    """The number of devices along the batch axis (or axes) of the mesh in context."""
     mesh = jax.sharding.get_abstract_mesh()
     return int(np.prod([mesh.shape[a] for a in axes(axis_name)]))
 
@@ -107,7 +108,7 @@ def zero_sum(param: Any, dtype: Any, axis_name: AxisName | None, where: Placemen
         spec = spec_of(param)
         if uses(spec, axis_name):  # FSDP: kept like the parameter
             return jax.reshard(zeros, spec)
-        rows = jnp.zeros((_devices_along(axis_name), *jnp.shape(param)), dtype)
+        rows = jnp.zeros((devices_along(axis_name), *jnp.shape(param)), dtype)
         return jax.reshard(rows, row_spec(spec, axis_name))
     return zeros
 
