@@ -149,8 +149,8 @@ def grads_join_without_collective(grads: Any, grad_sum: Any, axis_name: AxisName
 
 def sums_in_rows(state: Any, grads: Any, axis_name: AxisName) -> None:
     """Under ``jit`` on an Explicit mesh: each window sum kept in rows holds one row per
-    device, split over the axis. A state made outside the mesh, or for another number of
-    devices, would be broadcast against the rows, adding its open window once per device."""
+    device. A state made outside the mesh, or for another number of devices, would be
+    broadcast against the rows, adding its open window once per device."""
     devices = _sharding.devices_along(axis_name)
     sums = [
         (f"grad_sum{jax.tree_util.keystr(path)}", s, jnp.ndim(g))
@@ -162,18 +162,14 @@ def sums_in_rows(state: Any, grads: Any, axis_name: AxisName) -> None:
     ]
     sums += [("loss_sum", state.loss_sum, 0), ("num_items", state.num_items, 0)]
     for where, window_sum, ndim in sums:
-        if window_sum.ndim != ndim + 1:
-            continue  # FSDP: kept like the parameter (the gradients' check covers it)
-        rows_axis = (*_sharding.spec_of(window_sum).partitions, None)[0]
-        split = rows_axis is not None and _sharding.axes(rows_axis) == _sharding.axes(axis_name)
-        if window_sum.shape[0] != devices or not split:
+        if window_sum.ndim == ndim + 1 and window_sum.shape[0] != devices:
             raise ValueError(
-                f"multi_steps.update: the state's window sum {where} has type"
-                f" {jax.typeof(window_sum)}; under jax.jit on an Explicit mesh with"
-                f" axis {axis_name!r} ({devices} devices) it must hold one row per device,"
-                f" shape ({devices}, ...) split over {axis_name!r}. Make the state with"
-                " tx.init under jax.set_mesh(mesh); a state made outside the mesh or on"
-                " another number of devices comes over with jaxaccum.restore_state."
+                f"multi_steps.update: the state's window sum {where} has shape"
+                f" {tuple(window_sum.shape)}; under jax.jit on an Explicit mesh with axis"
+                f" {axis_name!r} ({devices} devices) it holds one row per device, shape"
+                f" ({devices}, ...). Make the state with tx.init under jax.set_mesh(mesh); a"
+                " state made outside the mesh or on another number of devices comes over"
+                " with jaxaccum.restore_state."
             )
 
 

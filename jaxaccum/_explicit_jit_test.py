@@ -163,8 +163,9 @@ def test_replicated_gradients_are_refused_under_explicit_jit():
 
 def test_a_state_made_outside_the_mesh_is_refused_and_restore_state_brings_it_over():
     """A state from ``tx.init`` outside the mesh has one row per sum: broadcast against
-    the mesh's rows, its open window would join once per device (here 3 items + 8 read
-    40 items in the window). It is refused; ``restore_state`` carries it over exactly."""
+    the mesh's rows, its open window would join once per device (here its 3 items would
+    count 4 times: 20 items in the window, not 11). It is refused; ``restore_state``
+    carries it over exactly, and the same state as host numpy arrays is laid out by jit."""
     mesh = jax.make_mesh((DEVICES,), ("data",))
     tx = jaxaccum.multi_steps(optax.sgd(0.1), K, axis_name="data")
     outside = tx.init({"w": jnp.zeros(3)})  # one device's layout: rows of length 1
@@ -185,10 +186,14 @@ def test_a_state_made_outside_the_mesh_is_refused_and_restore_state_brings_it_ov
     with jax.set_mesh(mesh):
         params = jax.device_put({"w": jnp.zeros(3)}, P())
         x = jax.device_put(jnp.ones((8, 3)), P("data"))
-        with pytest.raises(ValueError, match=r"grad_sum\['w'\].*one row per device, shape \(4"):
+        with pytest.raises(
+            ValueError, match=r"grad_sum\['w'\] has shape \(1, 3\).*one row per device, shape \(4"
+        ):
             step(params, half_window, x)
-        state = jaxaccum.restore_state(half_window, like=tx.init(params))
-        updates, state = step(params, state, x)
+        restored = jaxaccum.restore_state(half_window, like=tx.init(params))
+        updates, state = step(params, restored, x)
+        host_updates, _ = step(params, jax.device_get(restored), x)
+    np.testing.assert_array_equal(np.asarray(host_updates["w"]), np.asarray(updates["w"]))
     record = jaxaccum.window_metrics(state)
     # the window: 3 + 8 items (small integers: exact in float32), gradient sums 6 + 8 per
     # weight; the update -0.1 * 14 / 11 to float32 rounding of the division and the product
