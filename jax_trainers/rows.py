@@ -71,7 +71,7 @@ class Measured:
     @classmethod
     def of_window(cls, report: bigbatch.AuditReport, **names: str) -> Measured:
         """A row from a window audit's report."""
-        weights = [None if np.isnan(w) else round(float(w), 4) for w in report.weights.ravel()]
+        weights = [None if np.isnan(w) else float(w) for w in report.weights.ravel()]
         verdict = report.verdict
         if report.clipped_once:  # the window's gradient clipped as a whole, to clipped_to
             verdict += f", clipped once to {report.clipped_to:.3g}"
@@ -83,5 +83,5 @@ class Measured:
         verdict = "invariant" if report.invariant else "depends on the cut"
         weights = []
         if report.weights is not None:
-            weights = [None if np.isnan(w) else round(float(w), 4) for w in report.weights[-1]]
+            weights = [None if np.isnan(w) else float(w) for w in report.weights[-1]]
         return cls(verdict=verdict, weights=weights, error=float(report.worst), **names)

@@ -129,9 +129,10 @@ def run_all() -> list[Measured]:
 
 def record(rows: list[Measured], lesson_output: str) -> None:
     """Writes ``docs/jax-trainers.json``: the rows, lesson 11's printed output (the site shows
-    it where Tunix is not installed), the date, the packages' versions."""
+    it where Tunix is not installed), the date, the machine's cores, the packages' versions."""
     recorded = {
         "date": datetime.date.today().isoformat(),
+        "cpu_cores": os.cpu_count(),
         "versions": {name: importlib.metadata.version(name) for name in PACKAGES},
         "rows": [dataclasses.asdict(row) for row in rows],
         "lesson_11": lesson_output,
@@ -140,7 +141,7 @@ def record(rows: list[Measured], lesson_output: str) -> None:
 
 
 def recorded() -> tuple[dict, list[Measured]]:
-    """The record: its header (date, versions) and its rows."""
+    """The record: its header (date, cores, versions) and its rows."""
     data = json.loads(RECORD.read_text())
     header = {k: v for k, v in data.items() if k not in ("rows", "lesson_11")}
     return header, [Measured(**r) for r in data["rows"]]
@@ -184,7 +185,7 @@ def recorded_block() -> str:
     """``docs/jax-trainers.md``'s block, rendered from the record."""
     header, rows = recorded()
     versions = ", ".join(f"{name} {version}" for name, version in header["versions"].items())
-    caption = f"Recorded on {header['date']}, 2 CPU cores ({versions})."
+    caption = f"Recorded on {header['date']}, {header['cpu_cores']} CPU cores ({versions})."
     how = "python -m jax_trainers --write records what follows"
     return "\n".join(
         [docs_blocks.begin(BLOCK, how), markdown(rows), "", caption, docs_blocks.end(BLOCK)]

@@ -74,6 +74,7 @@ def test_the_record_is_a_fresh_run(fresh):
             assert (a is None) == (b is None) and (
                 a is None or math.isclose(a, b, rel_tol=WEIGHT_RTOL)
             )
+        assert math.isnan(old.error) == math.isnan(new.error), key(new)  # NaN: no update
         if old.error <= NOISE or new.error <= NOISE:  # both float32 rounding
             assert max(old.error, new.error) <= NOISE, key(new)
         elif not math.isnan(new.error):
@@ -172,3 +173,87 @@ def test_the_grpo_fix_hands_the_optimizer_tunix_s_loss_as_its_sum_and_items(mode
     assert math.isclose(float(loss_sum) / float(num_items), float(loss), rel_tol=LOSS_RTOL)
     assert math.isclose(float(eval_loss), float(loss), rel_tol=LOSS_RTOL)
     assert float(eval_aux["pg_clipfrac"]) == float(aux["pg_clipfrac"])
+
+
+def sft_trainer(k: int, *, micro_batches: int, max_steps: int, profiler_options=None):
+    """ExactPeftTrainer of the tiny Llama with SGD, its mesh, and examples of the skewed rows
+    cut into ``micro_batches`` (row i goes to micro-batch i % micro_batches)."""
+    import jax.numpy as jnp
+    import optax
+    from tunix.sft import peft_trainer
+
+    from jax_trainers import rows, tunix_fix, tunix_sft
+
+    batch = rows.skewed_rows()
+    mesh, model = tunix_sft.on_mesh(tunix_sft.model_parts()[1], 1)
+    config = peft_trainer.TrainingConfig(
+        eval_every_n_steps=1_000, max_steps=max_steps, pbar_description=None,
+        gradient_accumulation_steps=k, profiler_options=profiler_options,
+    )  # fmt: skip
+    trainer = tunix_fix.ExactPeftTrainer(model, optax.sgd(1.0), config)
+    trainer = trainer.with_gen_model_input_fn(tunix_sft.gen_model_input_fn)
+    trainer = trainer.with_loss_fn(tunix_sft.summed_loss)
+    examples = [
+        {"input_tokens": jnp.asarray(batch["input_tokens"][i::micro_batches]),
+         "input_mask": jnp.asarray(batch["labels"][i::micro_batches] != -100)}
+        for i in range(micro_batches)
+    ]  # fmt: skip
+    return trainer, mesh, examples
+
+
+def test_the_sft_fix_logs_each_window_s_loss_and_gradient_norm():
+    # Tunix logs the mean over the micro-batches of each one's loss and gradient norm; the
+    # fix logs the window's: two windows of k = 2, the first against the big batch of its
+    # rows, the second against the state's record (the log holds copies: the next step
+    # donates the state)
+    import jax
+    import numpy as np
+    import optax
+
+    import jaxaccum
+    from jax_trainers import rows, tunix_sft
+    from testkit import standard_numerics
+
+    trainer, mesh, examples = sft_trainer(2, micro_batches=4, max_steps=2)
+    params, batch = tunix_sft.model_parts()[1], rows.skewed_rows()
+    first_window = {name: np.concatenate([v[0::4], v[1::4]]) for name, v in batch.items()}
+    with standard_numerics(), tunix_sft.mesh_warning_ignored(), mesh:
+        trainer.train(examples)
+        big = lambda p: tunix_sft.reference_loss(p, first_window)
+        (loss_sum, items), grads = jax.value_and_grad(big, has_aux=True)(params)
+    last = jaxaccum.window_metrics(trainer.optimizer.opt_state)
+    history = lambda name: trainer.metrics_logger.get_metric_history(
+        trainer.metrics_prefix, name, "train"
+    )
+    loss, grad_norm = history("loss"), history("grad_norm")
+    assert len(loss) == len(grad_norm) == 2
+    assert math.isclose(float(loss[0]), float(loss_sum / items), rel_tol=LOSS_RTOL)
+    big_norm = float(optax.global_norm(grads)) / float(items)
+    assert math.isclose(float(grad_norm[0]), big_norm, rel_tol=GRAD_NORM_RTOL)
+    assert (float(loss[1]), float(grad_norm[1])) == (float(last.loss), float(last.grad_norm))
+
+
+GRAD_NORM_RTOL = 1e-5
+"""A gradient norm of 4 micro-batches' sums against the big batch's: float32 sums of the same
+per-token gradients in another order (measured 1e-7)."""
+
+
+def test_the_sft_fix_profiles_micro_batches_as_tunix_does():
+    # Tunix counts the profiler's steps in micro-batches: with max_steps=2 and k=4, steps 3
+    # to 6 of 8 (the fix used to build it for k=1 and refused these options)
+    from tunix.sft import profiler
+
+    options = profiler.ProfilerOptions(log_dir="unused", skip_first_n_steps=3, profiler_steps=4)
+    trainer, _, _ = sft_trainer(4, micro_batches=4, max_steps=2, profiler_options=options)
+    assert (trainer._prof._first_profile_step, trainer._prof._last_profile_step) == (3, 7)
+
+
+def test_the_sft_fix_warns_when_the_data_ends_inside_a_window():
+    from jax_trainers import tunix_sft
+    from testkit import standard_numerics
+
+    trainer, mesh, examples = sft_trainer(2, micro_batches=3, max_steps=2)
+    with standard_numerics(), tunix_sft.mesh_warning_ignored(), mesh:
+        with pytest.warns(UserWarning, match="its 1 of gradient_accumulation_steps=2"):
+            trainer.train(examples)  # 3 micro-batches: one update and an open window
+    assert trainer.train_steps == 1

@@ -13,12 +13,15 @@ is a subclass of its steps: :class:`ExactPeftTrainer`.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
-from tunix.sft import peft_trainer
+from tunix.sft import peft_trainer, profiler
 
 import jaxaccum
 
@@ -33,9 +36,16 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
         trainer = ExactPeftTrainer(model, optax.adamw(1e-4), config).with_loss_fn(loss_fn)
 
     ``gradient_accumulation_steps`` keeps its meaning (the loop counts an update every
-    ``k`` micro-batches); the optimizer is ``jaxaccum.multi_steps(optimizer, k)`` instead of
-    ``optax.MultiSteps``, and Tunix restores its state from a checkpoint as it does its own.
-    The loss the loop logs (training and eval) is each batch's mean, ``loss_sum / num_items``.
+    ``k`` micro-batches, and so does its profiler); the optimizer is
+    ``jaxaccum.multi_steps(optimizer, k)`` instead of ``optax.MultiSteps``, and Tunix
+    restores its state from a checkpoint as it does its own.
+
+    What the loop logs for an update is the window's record
+    (``jaxaccum.window_metrics``): ``loss`` the window's mean loss, the one its update
+    minimises, and ``grad_norm`` the norm of its gradient before clipping, where Tunix logs
+    the mean over the micro-batches of each one's. A window still open when the data ends
+    is not applied (as in Tunix): ``train`` warns (RL's learner calls it again).
+    The eval loss is each batch's mean, ``loss_sum / num_items``.
     """
 
     def __init__(self, model, optimizer, training_config, **kwargs):
@@ -43,19 +53,55 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
         # a copy, not dataclasses.replace: RL's config derives k again (rl_cluster.py:140-142)
         without_multisteps = copy.copy(training_config)
         without_multisteps.gradient_accumulation_steps = None
+        without_multisteps.profiler_options = None  # counted in micro-batches: built below
         super().__init__(model, jaxaccum.multi_steps(optimizer, k), without_multisteps, **kwargs)
         self.config = training_config  # the loop closes an update every k micro-batches
         self._iter_steps = self._train_steps * k  # as PeftTrainer counts them after a restore
+        max_steps = training_config.max_steps
+        self._prof = profiler.Profiler(  # in micro-batches, as PeftTrainer builds it
+            initial_step=self._iter_steps,
+            max_step=None if max_steps is None else max_steps * k,
+            profiler_options=training_config.profiler_options,
+        )
 
     def _train_step(self, model: nnx.Module, optimizer: nnx.Optimizer, inputs: Any):
-        """One micro-batch: the gradient of its SUMMED loss, handed over with its items."""
+        """One micro-batch: the gradient of its SUMMED loss, handed over with its items.
+
+        Returns what Tunix's step does: the micro-batch's mean loss, the loss's aux, and the
+        norm of its mean loss's gradient (the window's replace them in the log).
+        """
         inputs = self.gen_model_input_fn(inputs)
         wrt = nnx.DiffState(0, nnx.LoRAParam) if self._lora_enabled else 0
         grad_fn = nnx.value_and_grad(self.loss_fn, argnums=wrt, has_aux=True)
         (loss_sum, items_and_aux), grads = grad_fn(model, **inputs)
         num_items, aux = _items_and_aux(items_and_aux)
         optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
-        return loss_sum / jnp.maximum(num_items, 1), aux, optax.global_norm(grads)
+        per_item = 1.0 / jnp.maximum(num_items, 1)
+        return loss_sum * per_item, aux, optax.global_norm(grads) * per_item
+
+    def _write_train_metrics(self):
+        """At each update: the closed window's loss and gradient norm replace the means of
+        its micro-batches' in the buffer Tunix logs."""
+        window, k = self._buffered_train_metrics, self.config.gradient_accumulation_steps or 1
+        if window is not None and self._iter_steps % k == 0:  # not close()'s flush of an open one
+            # copies: the record's arrays are the state's, which the next step donates
+            record = jax.tree.map(jnp.copy, jaxaccum.window_metrics(self.optimizer.opt_state))
+            window.losses[:] = [record.loss]
+            window.additional_metrics["grad_norm"] = ([record.grad_norm], np.mean)
+        super()._write_train_metrics()
+
+    def train(self, train_ds, eval_ds=None, skip_jit: bool = False, **kwargs):
+        """``PeftTrainer.train``; warns when the data ends inside a window (unless a learner
+        runs the trainer, as RL's does: its next call continues the window)."""
+        super().train(train_ds, eval_ds, skip_jit, **kwargs)
+        k = self.config.gradient_accumulation_steps or 1
+        if self._iter_steps % k and not self.is_managed_externally:  # RL's next call goes on
+            warnings.warn(
+                f"ExactPeftTrainer: the data ended inside a window: its {self._iter_steps % k}"
+                f" of gradient_accumulation_steps={k} micro-batches were not applied. Give a number of micro-batches that is a multiple"
+                " of gradient_accumulation_steps.",
+                stacklevel=2,
+            )
 
     def _eval_step(self, model: nnx.Module, inputs: Any):
         """One eval batch: its mean loss, and the loss's aux."""

@@ -339,3 +339,49 @@ def test_nnx_train_state_resumes_mid_window_on_another_device_count(saved, tmp_p
     )
     print(f"nnx resumed on {new_devices} devices: max |param - uninterrupted| = {worst:.3g}")
     assert worst <= NNX_CROSS_ATOL
+
+
+def manager_resume_main(run_dir, out):
+    """A new job on 2 devices: docs/data-parallel.md's CheckpointManager restore (onto one
+    device, against the checkpoint's metadata), then restore_state onto the 2-device mesh."""
+    tx = cross_count_tx("data")
+    on_one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with ocp.CheckpointManager(run_dir, item_handlers=ocp.StandardCheckpointHandler()) as manager:
+        latest = manager.latest_step()
+        shapes = manager.metadata(latest).item_metadata
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=on_one),
+                              shapes)  # fmt: skip
+        saved = manager.restore(latest, args=ocp.args.StandardRestore(target))
+    with jax.set_mesh(jax.make_mesh((2,), ("data",))):
+        params = jax.device_put(saved["params"], P())
+        state = jaxaccum.restore_state(saved["opt_state"], like=tx.init(params))
+    np.savez(out, window_step=state.window_step, num_items=state.num_items)
+
+
+def test_a_checkpoint_manager_run_resumes_in_a_job_with_fewer_devices(tmp_path):
+    # Orbax refuses a restore without a target when the saving devices are gone: the docs'
+    # recipe restores onto one device; here a job of 2 devices resumes a save made on 4
+    job = data_parallel(cross_count_tx, tiny_lm_loss, "jit", 4)
+    params, state = job.init(tiny_lm_params())
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+        for step, batch in enumerate(window_of_four(4)[:3], start=1):
+            params, state = job.step(params, state, batch)
+            manager.save(step, args=ocp.args.StandardSave({"params": params, "opt_state": state}))
+        manager.wait_until_finished()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    code = (
+        "import sys, jax; jax.config.update('jax_num_cpu_devices', 2);"
+        " from jaxaccum._checkpoint_routes_test import manager_resume_main;"
+        " manager_resume_main(*sys.argv[1:])"
+    )
+    out = tmp_path / "resumed.npz"
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run"), str(out)],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=RESUME_TIMEOUT_S)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    with np.load(out) as resumed:
+        # 3 of the window's 4 micro-batches; their items (integer counts, exact) over 2 rows
+        assert int(resumed["window_step"]) == 3
+        assert resumed["num_items"].shape == (2,)
+        assert float(resumed["num_items"].sum()) == float(np.sum(state.num_items))

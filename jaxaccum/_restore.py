@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from jaxaccum._state import MultiStepsState
+from jaxaccum._streams import is_key
 
 _WINDOW_SUMS = ("grad_sum", "loss_sum", "num_items")
 
@@ -61,8 +62,12 @@ def restore_state(saved: Any, like: Any) -> Any:
                 f"restore_state: `saved` has no leaf {jax.tree_util.keystr(path)}, which"
                 " `like` has: is `saved` the state of the same optimizer?"
             )
-        value = np.asarray(saved_leaves.pop(key))
+        value, target = _as_array(saved_leaves.pop(key)), _as_array(target)
         where = jax.tree_util.keystr(path)
+        if is_key(target):
+            restored.append(_prng_key(value, target, where))
+            continue
+        value = np.asarray(value)
         value = _window_sum(value, target, where) if key in sums else _same(value, target, where)
         restored.append(_place(value, target))
     if saved_leaves:
@@ -70,6 +75,20 @@ def restore_state(saved: Any, like: Any) -> Any:
             f"restore_state: `saved` has leaves that `like` does not: {sorted(saved_leaves)[:5]}"
         )
     return jax.tree.unflatten(treedef, restored)
+
+
+def _as_array(leaf: Any) -> Any:
+    """A leaf with a shape and dtype: a Python scalar (``TrainState.create``'s ``step=0``)
+    as the array JAX makes of it."""
+    return leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else jax.numpy.asarray(leaf)
+
+
+def _prng_key(value: Any, target: jax.Array, where: str) -> jax.Array:
+    """A typed PRNG key leaf (a module's dropout stream), saved as a key or as its data."""
+    data = np.asarray(jax.random.key_data(value) if is_key(value) else value)
+    data = _same(data, jax.random.key_data(target), where)
+    key = jax.random.wrap_key_data(data, impl=jax.random.key_impl(target))
+    return _place(key, target)
 
 
 def _leaves_with_paths(tree: Any) -> list:

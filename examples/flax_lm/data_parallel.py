@@ -27,8 +27,9 @@ on 4 devices every mask would differ from the 8-device run's. Here each ROW
 draws its own mask from ``fold_in(fold_in(key(seed), micro_step), row)``
 (``row``: the row's index in the global batch, in the batch), built in the
 jitted step before the per-device loss and handed to ``loss_fn`` as the keys'
-``uint32`` data, which jaxaccum leaves alone (a typed key would be folded with
-the device index; a single raw ``uint32[2]`` key is refused). Both runs then
+``uint32`` data, which jaxaccum leaves alone (typed keys made per row would be
+left alone too, since they vary over the batch axis; only one key shared by the
+devices is folded with the device index). Both runs then
 draw the same masks, and what is left between them is float32 summation order
 and bf16 rounding (``_resume_check.py`` says how much).
 """
@@ -101,8 +102,9 @@ def new_tx(s: Settings) -> optax.GradientTransformationExtraArgs:
 def row_keys(key: jax.Array, micro_step: jax.Array, rows: jax.Array) -> jax.Array:
     """``uint32[rows, 2]``: the data of ``fold_in(fold_in(key, micro_step), row)`` per row.
 
-    As data, not typed keys: ``jaxaccum.value_and_grad`` would fold a typed key
-    with the device's index, and the masks would change with the device count.
+    A key per row, made from the row's index in the global batch: the masks do not
+    depend on the device count (``jaxaccum.value_and_grad`` folds the device's index
+    into a key shared by the devices only). As data, which the batch carries.
     """
     step_key = jax.random.fold_in(key, micro_step)
     return jax.vmap(lambda r: jax.random.key_data(jax.random.fold_in(step_key, r)))(rows)
@@ -180,8 +182,11 @@ def start(s: Settings):
 def resume(s: Settings, path: pathlib.Path, devices: int = RESUME_DEVICES):
     """The checkpoint on a new mesh of ``devices`` devices: ``(mesh, params, opt_state)``."""
     mesh = jax.make_mesh((devices,), ("data",), devices=jax.devices()[:devices])
-    with ocp.StandardCheckpointer() as checkpointer:
-        saved = checkpointer.restore(path.absolute())  # no target: NamedTuples come back as dicts
+    with ocp.StandardCheckpointer() as checkpointer:  # onto one device: whatever mesh saved it
+        shapes = checkpointer.metadata(path.absolute()).item_metadata  # NamedTuples: dicts
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        on_one = lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one)
+        saved = checkpointer.restore(path.absolute(), jax.tree.map(on_one, shapes))
     with jax.set_mesh(mesh):
         bf16 = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), saved["params"])
         params = jax.device_put(bf16, P())  # replicated on the new mesh

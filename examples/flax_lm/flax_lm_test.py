@@ -49,3 +49,18 @@ def test_plot(tmp_path):
     path = tmp_path / "curves.png"
     train.plot(history, path, train.Settings(updates=2))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--updates", "0"], "argument --updates: expected an int >= 1, got '0'"),
+        (["--updates", "-3"], "argument --updates: expected an int >= 1, got '-3'"),
+        (["--quick", "--plot", "curves.png"], "--plot needs the full run"),
+    ],
+)
+def test_bad_flags_are_refused_before_training(argv, message, capsys):
+    # they used to run 25 updates (0), crash after training nothing (-3), or skip the plot
+    with pytest.raises(SystemExit) as exit_info:
+        _headlines.load_flax_lm("train").main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

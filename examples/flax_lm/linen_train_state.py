@@ -5,7 +5,10 @@
 call, i.e. a micro-step counter. :class:`AccumTrainState` passes ``num_items``,
 ``loss_sum`` and ``end_window`` on to ``jaxaccum.multi_steps`` and advances
 ``step`` only when a window was applied, so ``step`` counts updates (what
-schedules, EMAs and checkpoint names want).
+schedules, EMAs and checkpoint names want). ``step`` is then the same for every
+micro-batch of a window: fold a dropout key with ``state.micro_step`` (Flax's
+guide folds it with ``state.step``, which here would draw one mask for the whole
+window).
 
 A Linen byte-level bigram model (embed -> dense) trains on the same SFT
 samples as ``train.py``, 16 per update in k = 4 micro-batches, next to a plain
@@ -38,6 +41,12 @@ TOLERANCE = 1e-5
 
 class AccumTrainState(train_state.TrainState):
     """A ``TrainState`` for ``jaxaccum.multi_steps``: ``step`` counts applied updates."""
+
+    @property
+    def micro_step(self) -> jax.Array:
+        """Micro-batches seen: what a dropout key is folded with (``step`` holds still
+        through a window)."""
+        return jaxaccum.window_metrics(self.opt_state).micro_step
 
     def apply_gradients(self, *, grads, num_items, loss_sum=None, end_window=False, **kwargs):
         """One micro-batch: ``grads`` of the SUMMED loss, ``num_items`` the items it adds up."""
@@ -130,7 +139,7 @@ def main() -> int:
         assert gap <= TOLERANCE, gap
     # step counts updates (the plain TrainState's step counts its 5 calls, one per update too)
     assert int(accum.step) == UPDATES == int(big.step)
-    assert int(jaxaccum.window_metrics(accum.opt_state).micro_step) == UPDATES * K
+    assert int(accum.micro_step) == UPDATES * K
     print(f"AccumTrainState.step = {int(accum.step)} updates after {UPDATES * K} micro-batches")
     return 0
 

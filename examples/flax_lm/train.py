@@ -237,15 +237,27 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
     return history
 
 
+def positive_int(text: str) -> int:
+    """``--updates``: an int >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     quick = "2 updates, big batch and jaxaccum only, no plot (the test)"
     parser.add_argument("--quick", action="store_true", help=quick)
-    parser.add_argument("--updates", type=int, default=None)
+    parser.add_argument(
+        "--updates", type=positive_int, default=None, help="default 25 (2 with --quick)"
+    )
     parser.add_argument("--plot", type=pathlib.Path, default=None, help=f"default {PLOT}")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    s = Settings(updates=args.updates or (2 if args.quick else Settings.updates))
+    if args.quick and args.plot is not None:
+        parser.error("--plot needs the full run: --quick trains no optax.MultiSteps to plot")
+    default_updates = 2 if args.quick else Settings.updates
+    s = Settings(updates=default_updates if args.updates is None else args.updates)
     with_multisteps = not args.quick
     plot_path = None if args.quick else (args.plot or PLOT)
 
