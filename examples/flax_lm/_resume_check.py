@@ -21,7 +21,7 @@ import numpy as np
 # order lr) by a few 2^-8 of lr where the gradient is signal, and by up to a quarter of lr
 # where it is mostly bf16 noise (AdamW normalizes noise to full-size steps): the
 # f * lr_after term, f = SIGNAL_LR_FRACTION = 2^-2. How the bf16 backward rounds depends
-# on the XLA version: the worst element uses 0.20 of the bound on jax 0.10.2 and 0.73 on
+# on the XLA version: the worst element uses 0.14 of the bound on jax 0.10.2 and 0.73 on
 # 0.12.0.1 (where 12.9% of the elements differ, against 2.2%; with f = 2^-5 it was 0.31
 # and 2.0). Each update rounds p + step to bf16 in both runs, and steps that differ by less
 # than an ulp round to the same value or to neighbours: one ulp more per update at most,
