@@ -1,8 +1,8 @@
 """The window normalization: the library's one division by ``num_items``.
 
-The math and why it is the big batch: ``docs/math.md``. The optimizer wrapper,
-the in-step scan and the audit all call :func:`normalize_window`, on sums that
-the caller has already added over the devices.
+The math and why it is the big batch: ``docs/math.md``. The optimizer wrapper
+and the in-step scan call :func:`normalize_window`, on sums that the caller has
+already added over the devices (the audit's reference, ``bigbatch``, is numpy).
 """
 
 from __future__ import annotations

@@ -55,6 +55,15 @@ class Check:
     sequences: dict[str, tuple[list, list]] | None = (
         None  # loss scaling: exact per-update sequences
     )
+    expected_skipped: list[bool] | None = None  # loss scaling: the windows poisoned with an inf
+
+    @property
+    def skipped_as_injected(self) -> bool | None:
+        """Whether both runs skipped exactly the windows given an inf (None: not scaled):
+        two runs that both missed the injection would still agree with each other."""
+        if self.expected_skipped is None or self.sequences is None:
+            return None
+        return all(run == self.expected_skipped for run in self.sequences["skipped"])
 
     @property
     def sequences_equal(self) -> bool | None:
@@ -83,7 +92,8 @@ class Check:
     def passed(self) -> bool:
         if self.kind == "parity":
             ok = all(v <= 1.0 for v in self.ratios.values())
-            return ok and _worst(self.count_dev) == 0.0 and self.sequences_equal is not False
+            ok = ok and self.sequences_equal is not False and self.skipped_as_injected is not False
+            return ok and _worst(self.count_dev) == 0.0
         if self.kind == "comm-control":
             return self.comm is not None and self.comm[0] > self.comm[1]
         return max(self.ratios.values()) >= FLAG_RATIO
@@ -114,6 +124,7 @@ class Check:
                 else {k: {"subject": a, "reference": b} for k, (a, b) in self.sequences.items()}
             ),
             "sequences_equal": self.sequences_equal,
+            "skipped_as_injected": self.skipped_as_injected,
             "per_update": {
                 "param_dev": self.param_dev,
                 "loss_dev": self.loss_dev,

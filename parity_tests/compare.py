@@ -163,9 +163,11 @@ def compare(
     kind: str = "parity",
     comm: tuple[float, float] | None = None,
     scaling: bool = False,
+    expected_skipped: list[bool] | None = None,
 ) -> Check:
     """Builds the :class:`Check` of ``subject`` against ``reference`` (``scaling``: also
-    the exact :data:`SCALING_SEQUENCES`)."""
+    the exact :data:`SCALING_SEQUENCES`, and ``expected_skipped``: the windows that
+    must be skipped)."""
     return Check(
         scenario=scenario,
         subject=subject.label,
@@ -179,6 +181,7 @@ def compare(
         count_dev=absolute(subject, reference, "window_items") if kind == "parity" else [],
         comm=comm,
         sequences=sequences(subject, reference) if scaling else None,
+        expected_skipped=expected_skipped,
     )
 
 

@@ -49,3 +49,22 @@ def test_control_is_flagged_only_at_100x_tolerance():
     assert not compare.compare("s", weak, ref, tol, "control").passed
     diverged = _run("nan", [[0.0], [1.0], [np.nan]], [2.0, math.nan])
     assert compare.compare("s", diverged, ref, tol, "control").ratios["param"] == math.inf
+
+
+def test_a_scaled_check_fails_when_both_runs_miss_the_injected_inf():
+    # both sides agree (no window skipped), but window 2 was given an inf: the injection
+    # was lost on both sides, and agreeing with each other is not enough
+    tol = TOLERANCES["float32"]
+
+    def scaled_run(label, skipped):
+        run = _run(label, [[0.0], [1.0], [2.0]], [2.0, 1.5])
+        for record, skip, update_id in zip(run.records, skipped, (1, 1), strict=True):
+            record.update(skipped=skip, loss_scale=1024.0, update_id=update_id)
+        return run
+
+    missed = [scaled_run(side, [False, False]) for side in ("a", "b")]
+    check = compare.compare("s", *missed, tol, scaling=True, expected_skipped=[False, True])
+    assert check.sequences_equal and check.skipped_as_injected is False and not check.passed
+    caught = [scaled_run(side, [False, True]) for side in ("a", "b")]
+    check = compare.compare("s", *caught, tol, scaling=True, expected_skipped=[False, True])
+    assert check.skipped_as_injected and check.passed

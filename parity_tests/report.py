@@ -104,6 +104,8 @@ def _terminal_result(c: Check) -> str:
         return "pass"
     if c.sequences_equal is False:
         return "FAIL: sequences"
+    if c.skipped_as_injected is False:
+        return "FAIL: skips"
     return "FAIL: counts" if all(v <= 1.0 for v in c.ratios.values()) else "FAIL"
 
 

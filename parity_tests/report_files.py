@@ -60,7 +60,10 @@ def rows(result: SuiteResult) -> list[tuple[str, ...]]:
             )
         if c.sequences is not None:
             comparison += " [skipped/loss_scale/update_id sequences " + (
-                "equal]" if c.sequences_equal else "DIFFER]"
+                "equal" if c.sequences_equal else "DIFFER"
+            )
+            comparison += (
+                ", the injected inf skipped]" if c.skipped_as_injected else ", NOT as injected]"
             )
         out.append(
             (

@@ -103,8 +103,9 @@ def run_jaxaccum(case: Case) -> Run:
             k_u = tokens.shape[1]
             for m in range(k_u):
                 batch = {"tokens": tokens[:, m], "labels": labels[:, m], "poison": poison[:, m]}
-                # end_window only matters in a short window (k_u < k); a full one closes by itself.
-                params, state = loop.step(params, state, batch, end_window=np.bool_(m == k_u - 1))
+                # only a short window (k_u < k) is closed by hand: a full one must close by itself
+                short_end = m == k_u - 1 and k_u < case.scn.k
+                params, state = loop.step(params, state, batch, end_window=np.bool_(short_end))
             records.append(record(loop.one(jaxaccum.window_metrics(state))))
             snaps.append(snapshot(loop.one(params)))
     return Run("jaxaccum", records, snaps, time.perf_counter() - t0, {"strategy": loop.mode})
