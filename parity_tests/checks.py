@@ -38,7 +38,9 @@ class Check:
     known-wrong run that must be flagged: worst ratio >= FLAG_RATIO). For a
     control whose error is not numeric (``no_sync_backward_only`` changes only
     communication) ``kind`` is ``"comm-control"`` and ``comm`` holds the
-    gradient all-reduces per window of subject and reference.
+    gradient all-reduces per window of subject and reference. A control whose bug
+    is an inf kept in its state is ``"poison-control"``: flagged only by parameters
+    that stop being finite (its other errors are other rows' bugs).
     """
 
     scenario: str
@@ -96,6 +98,8 @@ class Check:
             return ok and _worst(self.count_dev) == 0.0
         if self.kind == "comm-control":
             return self.comm is not None and self.comm[0] > self.comm[1]
+        if self.kind == "poison-control":  # non-finite parameters only: an inf in the state
+            return self.ratios["param"] == math.inf
         return max(self.ratios.values()) >= FLAG_RATIO
 
     def row(self) -> dict:

@@ -68,3 +68,16 @@ def test_a_scaled_check_fails_when_both_runs_miss_the_injected_inf():
     caught = [scaled_run(side, [False, True]) for side in ("a", "b")]
     check = compare.compare("s", *caught, tol, scaling=True, expected_skipped=[False, True])
     assert check.skipped_as_injected and check.passed
+
+
+def test_a_poison_control_is_flagged_by_non_finite_parameters_only():
+    # optax.MultiSteps on the loss-scaling case is also a mean of means: a finite deviation,
+    # however large, is another row's bug; only parameters that stop being finite show the
+    # inf kept in its state
+    tol = TOLERANCES["float32"]
+    ref = _run("ref", [[0.0], [1.0], [2.0]], [2.0, 1.5])
+    far = _run("far", [[0.0], [1.0], [2.0 + 1.0]], [2.0, 1.5])
+    poisoned = _run("poisoned", [[0.0], [1.0], [np.nan]], [2.0, math.nan])
+    assert compare.compare("s", far, ref, tol, "control").passed  # 1e4 x tolerance
+    assert not compare.compare("s", far, ref, tol, "poison-control").passed
+    assert compare.compare("s", poisoned, ref, tol, "poison-control").passed

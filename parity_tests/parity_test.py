@@ -100,7 +100,7 @@ def test_fp16_loss_scaling_parity(result):
     # of window 3 on both sides: the same windows skipped, the same loss-scale sequence
     # (powers of two: exact), the same update ids, and parameters within the fp32 tolerance.
     scn = cases.scaling_scenario()
-    (check,) = [c for c in result.checks if c.scenario == scn.name]
+    (check,) = [c for c in result.checks if c.scenario == scn.name and c.kind == "parity"]
     assert (check.subject, check.reference) == ("jaxaccum", "torch_ref")
     seq = check.sequences
     assert seq["skipped"] == ([False, False, False, True, False],) * 2
@@ -118,11 +118,14 @@ def test_fp16_loss_scaling_parity(result):
 
 
 def test_negative_controls_are_flagged(result):
-    controls = [c for c in result.checks if c.kind == "control"]
-    expected = {"optax.MultiSteps"} | {
+    controls = [c for c in result.checks if c.kind in ("control", "poison-control")]
+    expected = {"optax.MultiSteps", "optax.MultiSteps (no skip)"} | {
         f"torch_ref:{b}" for b, v in torch_ref.buggy.VARIANTS.items() if not v.communication_only
     }
     assert {c.subject for c in controls} == expected
+    # without a skip, the inf of window 3 reaches optax.MultiSteps' state: NaN from then on
+    (poisoned,) = [c for c in controls if c.subject == "optax.MultiSteps (no skip)"]
+    assert poisoned.reference == "jaxaccum" and poisoned.ratios["param"] == math.inf
     weak = [
         f"{_describe(c)}; ratios {c.ratios}" for c in controls if c.ratios["param"] < FLAG_RATIO
     ]
@@ -170,7 +173,9 @@ def test_report_files(result, tmp_path):
         in md
     )
     assert any(c["sequences_equal"] for c in data["checks"])
-    assert all(math.isfinite(c.row()["param_dev"]) for c in result.checks)
+    # finite, but for the control whose state an inf poisoned
+    finite = [math.isfinite(c.row()["param_dev"]) for c in result.checks]
+    assert finite == [c.kind != "poison-control" for c in result.checks]
 
 
 def test_printed_report_reads_in_100_columns(result):
@@ -181,13 +186,15 @@ def test_printed_report_reads_in_100_columns(result):
         f"PASS: {len(parity)}/{len(parity)} checks within tolerance, "
         f"{len(bugs)}/{len(bugs)} known bugs flagged ("
     )
-    assert (len(parity), len(bugs)) == (12, 9)
+    assert (len(parity), len(bugs)) == (12, 10)
     table = report.table(result).splitlines()
     lines = [report.verdict(result), *report.legend(result), *table]
     lines += report.comm_lines(result) + report.scaling_lines(result, short=True)
     assert max(len(line) for line in lines) <= report.WIDTH  # 100 columns
-    # one line per check, one per scenario, one "known bugs" line, the header and its rule
-    assert len(table) == len(result.checks) + len({c.scenario for c in result.checks}) + 1 + 2
+    # one line per check, one per scenario, a "known bugs" line per scenario with controls
+    # (the control scenario, the loss-scaling one), the header and its rule
+    scenarios = {c.scenario for c in result.checks}
+    assert len(table) == len(result.checks) + len(scenarios) + 2 + 2
     assert any(line.startswith("R2k2-token-f32-fp16scale") for line in table)
     assert "R<ranks>k<micro-batches per rank>" in " ".join(report.legend(result))
 

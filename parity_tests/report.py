@@ -48,7 +48,7 @@ def render(result: SuiteResult) -> Text:
 
 
 def verdict(result: SuiteResult) -> str:
-    """The one-line verdict: ``PASS: 12/12 checks within tolerance, 9/9 known bugs flagged (..)``."""
+    """The one-line verdict: ``PASS: 12/12 checks within tolerance, 10/10 known bugs flagged (..)``."""
     parity = [c for c in result.checks if c.kind == "parity"]
     bugs = [c for c in result.checks if c.kind != "parity"]
     line = (
@@ -98,7 +98,7 @@ def legend(result: SuiteResult) -> list[str]:
 def _terminal_result(c: Check) -> str:
     if c.kind == "comm-control":  # explained by comm_lines
         return "flagged (comm)" if c.passed else "MISSED (comm)"
-    if c.kind == "control":
+    if c.kind in ("control", "poison-control"):
         return "flagged" if c.passed else "MISSED"
     if c.passed:
         return "pass"
@@ -127,7 +127,13 @@ def table(result: SuiteResult) -> str:
         lines.append((short_name(result, name),))
         lines += [_table_row(c) for c in mine if c.kind == "parity"]
         if bugs:
-            lines.append(("  known bugs, each vs its framework's big batch:",))
+            against = {c.reference for c in bugs if c.kind == "poison-control"}
+            versus = (
+                f"vs {', '.join(sorted(against))} (an inf injected)"
+                if against
+                else "each vs its framework's big batch"
+            )
+            lines.append((f"  known bugs, {versus}:",))
             lines += [_table_row(c) for c in bugs]
     out = []
     for line in lines:

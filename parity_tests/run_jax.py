@@ -150,15 +150,13 @@ def _multisteps_step(case: Case, loss_fn):
         inner = optax.chain(optax.clip_by_global_norm(opt.max_grad_norm), inner)
     tx = testkit.standard(optax.MultiSteps(inner, every_k_schedule=case.scn.k))
 
-    def rank_mean(params, tokens, labels):  # the usual per-micro-batch mean, guarded against 0/0
-        loss_sum, num_items = loss_fn(params, {"tokens": tokens, "labels": labels})
+    def rank_mean(params, batch):  # the usual per-micro-batch mean, guarded against 0/0
+        loss_sum, num_items = loss_fn(params, batch)
         return loss_sum / jnp.maximum(num_items, 1.0)
 
     @jax.jit
-    def step(params, state, tokens, labels):  # tokens, labels: [R, mb, T]
-        losses, grads = jax.vmap(jax.value_and_grad(rank_mean), in_axes=(None, 0, 0))(
-            params, tokens, labels
-        )
+    def step(params, state, batch):  # tokens, labels: [R, mb, T]; poison [R, mb]
+        losses, grads = jax.vmap(jax.value_and_grad(rank_mean), in_axes=(None, 0))(params, batch)
         grads = jax.tree.map(lambda g: jnp.mean(g, axis=0), grads)  # DDP's mean of the ranks
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, jnp.mean(losses), grads
@@ -179,6 +177,8 @@ def run_optax_multisteps(case: Case) -> Run:
     A short window is filled up with empty micro-batches (MultiSteps cannot close
     a window early), which only dilutes it further. One device: the ranks are a
     ``vmap`` axis of the step (a control needs the arithmetic, not the devices).
+    On the loss-scaling case the injected inf reaches it too: without a skip of
+    the window, one inf poisons every later update.
     """
     t0 = time.perf_counter()
     k = case.scn.k
@@ -189,15 +189,16 @@ def run_optax_multisteps(case: Case) -> Run:
         tx, step = _multisteps_step(case, loss_fn)
         state = jax.jit(tx.init)(params)
         snaps, records = [snapshot(params)], []
-        for u, (tokens, labels) in enumerate(case.windows):
+        for u, ((tokens, labels), poison) in enumerate(zip(case.windows, case.poison, strict=True)):
             losses, grad_sum = [], None
             for m in range(k):
                 if m < tokens.shape[1]:
-                    tok, lab = tokens[:, m], labels[:, m]
+                    batch = {"tokens": tokens[:, m], "labels": labels[:, m], "poison": poison[:, m]}
                 else:
-                    tok = np.full_like(tokens[:, 0], PAD_TOKEN)
-                    lab = np.full_like(labels[:, 0], IGNORE_INDEX)
-                params, state, loss, grads = step(params, state, tok, lab)
+                    batch = {"tokens": np.full_like(tokens[:, 0], PAD_TOKEN),
+                             "labels": np.full_like(labels[:, 0], IGNORE_INDEX),
+                             "poison": np.ones_like(poison[:, 0])}  # fmt: skip
+                params, state, loss, grads = step(params, state, batch)
                 grads = jax.tree.map(lambda g: np.asarray(g, np.float64), jax.device_get(grads))
                 grad_sum = grads if grad_sum is None else jax.tree.map(np.add, grad_sum, grads)
                 losses.append(float(loss))

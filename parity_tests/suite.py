@@ -30,6 +30,7 @@ micro-batch of one rank in window 3, the same way on both sides):
 
     jaxaccum  vs torch_ref          the same windows skipped, the same loss-scale and
                                     update_id sequences (exactly), parameters within fp32
+    optax.MultiSteps (no skip) vs jaxaccum   must be FLAGGED: the inf reaches its state
 
 Matrices (``parity_tests.cases.matrix``): CPU full = world {1, 2, 4} x k {1, 2, 4} x unit
 {token, sample} x dtype {float32, float64}; CUDA full = the same with
@@ -40,6 +41,7 @@ Negative controls run in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -142,7 +144,7 @@ def _jax_tasks(plan: Plan, quick: bool) -> list[Task]:
     for case in plan.cases + [c for c in plan.controls if c not in plan.cases]:
         key = _key("jaxaccum", case)
         tasks.append((key, lambda key=key, case=case: {key: run_jax.run_jaxaccum(case)}))
-    for ctl in plan.controls:
+    for ctl in plan.controls + [c for c in plan.cases if c.scaled]:
         key = _key("optax.MultiSteps", ctl)
         tasks.append((key, lambda key=key, case=ctl: {key: run_jax.run_optax_multisteps(case)}))
     return tasks
@@ -190,8 +192,9 @@ def build_checks(plan: Plan, runs: dict[str, Run]) -> list[Check]:
         big = case.big or case
         ja, tr = runs.get(_key("jaxaccum", case)), _torch_run(runs, case)
         add(case, ja, tr)
-        if case.scaled:
-            continue  # a skipped window: no big batch to match, only jaxaccum vs torch_ref
+        if case.scaled:  # a skipped window: no big batch to match, only jaxaccum vs torch_ref
+            checks += _poisoned_state_control(case, ja, runs)
+            continue
         add(case, ja, runs.get(_key("jax big", big)))
         if case.big is not None:
             add(case, ja, runs.get(_key("torch big", big)))
@@ -219,6 +222,16 @@ def _control_checks(ctl: Case, runs: dict[str, Run]) -> list[Check]:
         else:
             checks.append(compare.compare(ctl.name, run, tbig, tol, "control"))
     return checks
+
+
+def _poisoned_state_control(case: Case, jaxaccum_run: Run | None, runs: dict) -> list[Check]:
+    """The loss-scaling case's control: optax.MultiSteps, which skips no window, against
+    jaxaccum, which skips the one with the inf: one inf poisons every later update."""
+    ms = runs.get(_key("optax.MultiSteps", case))
+    if ms is None or jaxaccum_run is None:
+        return []
+    ms = dataclasses.replace(ms, label="optax.MultiSteps (no skip)")
+    return [compare.compare(case.name, ms, jaxaccum_run, TOLERANCES["float32"], "poison-control")]
 
 
 def _allreduces(run: Run) -> float:
