@@ -81,6 +81,10 @@ def parity_tables(parity: dict) -> tuple[str, str]:
             )
         elif c["kind"] == "control":
             bugs.append(f"| {c['subject']} | {c['param_dev']:.1e} | {worst} |")
+        elif c["kind"] == "poison-control":  # an inf kept in its state
+            bugs.append(
+                f"| {c['subject']} | {c['param_dev']:.1e} | flagged: parameters not finite |"
+            )
         else:  # comm-control: the same numbers, k all-reduces per window
             per_window, expected = c["comm"]
             bugs.append(f"| {c['subject']} | {c['param_dev']:.1e} | flagged by its communication:"

@@ -214,16 +214,6 @@ def nnx_rngs_argument():
     jaxaccum.value_and_grad(loss)(PARAMS, jnp.ones((2, 2)), nnx.Rngs(dropout=0))
 
 
-def nnx_module_argument_under_explicit_jit():
-    """A second module (a frozen reference model) handed to ``loss_fn`` under jit on a mesh."""
-    from flax import nnx
-
-    with on_explicit_mesh() as (_, params, _, x):
-        reference = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-        loss = lambda w, x, ref: (jnp.sum(ref(x @ w["w"][:, None])), jnp.float32(x.shape[0]))
-        nnx.jit(jaxaccum.value_and_grad(loss, axis_name="data"))(params, x, reference)
-
-
 def nnx_module_to_accumulate_gradients():
     from flax import nnx
 
@@ -346,7 +336,6 @@ RAISES = [
     ("state_made_outside_the_mesh", state_made_outside_the_mesh, ValueError),
     ("nnx_batch_statistics_per_device", nnx_batch_statistics_per_device, ValueError),
     ("nnx_rngs_argument", nnx_rngs_argument, TypeError),
-    ("nnx_module_argument_under_jit", nnx_module_argument_under_explicit_jit, TypeError),
     ("nnx_module_to_accumulate_gradients", nnx_module_to_accumulate_gradients, TypeError),
     ("unreduced_items_outside_jit", unreduced_items_outside_jit, ValueError),
     ("grads_already_summed_by_autodiff", grads_summed_by_autodiff, ValueError),

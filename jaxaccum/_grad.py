@@ -79,7 +79,7 @@ def value_and_grad(
     """
 
     def wrapped(params, *args, loss_scale: Any = None):
-        _no_nnx_objects(args, axis_name)
+        _no_nnx_rngs(args)
         batch_split(args, axis_name)
         nnx = nnx_of(params)
         if nnx is not None:
@@ -102,27 +102,19 @@ def nnx_of(params: Any) -> Any:
     return nnx if nnx is not None and isinstance(params, nnx.Module) else None
 
 
-def _no_nnx_objects(args: tuple, axis_name: AxisName | None) -> None:
-    """Refuses what JAX cannot carry among the arguments after ``params``: an ``nnx.Rngs``
-    (its streams would neither draw per device nor advance), and under ``jit`` on a mesh
-    an ``nnx.Module`` (the per-device ``shard_map`` takes pytrees: its split state)."""
+def _no_nnx_rngs(args: tuple) -> None:
+    """Refuses an ``nnx.Rngs`` among the arguments after ``params``: its streams would
+    neither draw per device nor advance (flax's ``TraceContextError``, or JAX's error
+    about unreduced arrays)."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return
-    per_device_under_jit = _sharding.placement(axis_name) is Placement.EXPLICIT
     for arg in jax.tree.leaves(args, is_leaf=nnx.graph.is_graph_node):
         if isinstance(arg, nnx.Rngs):
             raise TypeError(
                 "jaxaccum.value_and_grad: an argument after `params` is an nnx.Rngs. Keep it"
                 " in the model (nnx.Dropout(rate, rngs=rngs)), whose streams are drawn per"
                 " device and written back, or pass a typed key (jax.random.key(seed))."
-            )
-        if per_device_under_jit and isinstance(arg, nnx.Module):
-            raise TypeError(
-                f"jaxaccum.value_and_grad: an argument after `params` is a flax.nnx"
-                f" {type(arg).__name__}; under jax.jit on a mesh `loss_fn` runs per device on"
-                " arrays. Pass its state instead (graphdef, state = nnx.split(module)) and"
-                " nnx.merge(graphdef, state) inside loss_fn."
             )
 
 

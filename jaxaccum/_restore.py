@@ -62,8 +62,12 @@ def restore_state(saved: Any, like: Any) -> Any:
                 f"restore_state: `saved` has no leaf {jax.tree_util.keystr(path)}, which"
                 " `like` has: is `saved` the state of the same optimizer?"
             )
-        value, target = _as_array(saved_leaves.pop(key)), _as_array(target)
-        where = jax.tree_util.keystr(path)
+        value, where = saved_leaves.pop(key), jax.tree_util.keystr(path)
+        if isinstance(target, int | float | bool):  # TrainState.create's step=0
+            restored.append(_python_scalar(value, target, where))
+            continue
+        if not hasattr(value, "dtype"):  # a saved Python scalar: in JAX's dtype for it
+            value = np.asarray(jax.numpy.asarray(value))
         if is_key(target):
             restored.append(_prng_key(value, target, where))
             continue
@@ -77,10 +81,16 @@ def restore_state(saved: Any, like: Any) -> Any:
     return jax.tree.unflatten(treedef, restored)
 
 
-def _as_array(leaf: Any) -> Any:
-    """A leaf with a shape and dtype: a Python scalar (``TrainState.create``'s ``step=0``)
-    as the array JAX makes of it."""
-    return leaf if hasattr(leaf, "shape") and hasattr(leaf, "dtype") else jax.numpy.asarray(leaf)
+def _python_scalar(value: Any, target: int | float | bool, where: str) -> int | float | bool:
+    """A Python scalar leaf of ``like`` (``TrainState.create``'s ``step=0``): the saved
+    value as the same Python type, placed by the step that uses it (no device)."""
+    saved = np.asarray(value)
+    if saved.shape != ():
+        raise ValueError(
+            f"restore_state: leaf {where} was saved with shape {list(saved.shape)}; `like`"
+            f" has a Python {type(target).__name__}."
+        )
+    return type(target)(saved.item())
 
 
 def _prng_key(value: Any, target: jax.Array, where: str) -> jax.Array:

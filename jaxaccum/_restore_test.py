@@ -105,16 +105,17 @@ def test_a_pmap_state_onto_another_device_count_is_refused_with_the_reason():
 @pytest.mark.parametrize("saved_as", ["key", "key_data"])
 def test_a_train_state_with_a_prng_key_and_a_python_step_restores_onto_another_mesh(saved_as):
     # a whole train state: a module's dropout stream (a typed key) and TrainState.create's
-    # step=0, a Python int, beside the optimizer state; 4 devices saved, 2 restore. The key
-    # comes back bitwise whether saved as a key or as its uint32 data (an Orbax restore
-    # without a target); the window's items (exact small integers) add up as saved
+    # step=0, a Python int (saved as numpy's int64), beside the optimizer state; 4 devices
+    # saved, 2 restore. The key comes back bitwise whether saved as a key or as its uint32
+    # data (an Orbax restore without a target); the window's items (exact small integers)
+    # add up as saved
     tx = jaxaccum.multi_steps(optax.sgd(1.0), 4, axis_name="data")
     key = jax.random.key(7)
-    saved = {"step": 3, "key": key, "opt": jax.device_get(mesh_state(tx, 4))}
+    saved = {"step": np.int64(3), "key": key, "opt": jax.device_get(mesh_state(tx, 4))}
     if saved_as == "key_data":
         saved["key"] = np.asarray(jax.random.key_data(key))
     like = {"step": 0, "key": jax.random.key(0), "opt": mesh_state(tx, 2, window_step=0)}
     restored = jaxaccum.restore_state(saved, like=like)
-    assert int(restored["step"]) == 3 and restored["step"].dtype == jnp.int32
+    assert restored["step"] == 3 and type(restored["step"]) is int  # like `like`: no device
     np.testing.assert_array_equal(jax.random.key_data(restored["key"]), jax.random.key_data(key))
     assert float(jnp.sum(restored["opt"].num_items)) == 1.0  # one micro-batch, num_items=1.0

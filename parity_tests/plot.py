@@ -26,11 +26,15 @@ LO, HI = 1e-6, 1e7  # the x axis: deviation / tolerance
 
 def update_ratios(c: Check) -> list[float]:
     """Per update: the largest deviation / tolerance over param, loss and grad norm
-    (a measure a known bug leaves unrecorded, NaN, is left out)."""
+    (a measure a known bug leaves unrecorded, NaN, is left out; a poisoned control's
+    non-finite parameters count as inf)."""
     per = zip(c.param_dev, c.loss_dev, c.grad_norm_dev, strict=True)
     tols = (c.tol.param, c.tol.loss, c.tol.grad_norm)
     out = []
     for devs in per:
+        if c.kind == "poison-control" and not math.isfinite(devs[0]):
+            out.append(math.inf)  # parameters no longer finite: what flags it
+            continue
         vals = [d / t for d, t in zip(devs, tols, strict=True) if not math.isnan(d)]
         out.append(max(vals) if vals else math.nan)
     return out
@@ -125,7 +129,7 @@ def _draw_row(ax, y: int, checks: list[Check]) -> None:
     lost = [u + 1 for u, d in enumerate(checks[0].param_dev) if not math.isfinite(d)]
     if checks[0].kind == "poison-control" and lost:  # at the right edge: written to its left
         note = f"parameters not finite from update {lost[0]}  "
-        ax.annotate(note, (worst, y), xytext=(-30, -3), textcoords="offset points",
+        ax.annotate(note, (worst, y), xytext=(-75, -3), textcoords="offset points",
                     fontsize=7.5, ha="right")  # fmt: skip
         return
     ax.annotate(note, (worst, y), xytext=(7, -3), textcoords="offset points", fontsize=7.5)
