@@ -82,8 +82,8 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
     def _write_train_metrics(self):
         """At each update: the closed window's loss and gradient norm replace the means of
         its micro-batches' in the buffer Tunix logs."""
-        window, k = self._buffered_train_metrics, self.config.gradient_accumulation_steps or 1
-        if window is not None and self._iter_steps % k == 0:  # not close()'s flush of an open one
+        window = self._buffered_train_metrics
+        if window is not None and not self._open_micro_batches():  # not close()'s flush
             # copies: the record's arrays are the state's, which the next step donates
             record = jax.tree.map(jnp.copy, jaxaccum.window_metrics(self.optimizer.opt_state))
             window.losses[:] = [record.loss]
@@ -94,14 +94,23 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
         """``PeftTrainer.train``; warns when the data ends inside a window (unless a learner
         runs the trainer, as RL's does: its next call continues the window)."""
         super().train(train_ds, eval_ds, skip_jit, **kwargs)
-        k = self.config.gradient_accumulation_steps or 1
-        if self._iter_steps % k and not self.is_managed_externally:  # RL's next call goes on
+        open_micro_batches = self._open_micro_batches()
+        if open_micro_batches and not self.is_managed_externally:  # RL's next call goes on
             warnings.warn(
-                f"ExactPeftTrainer: the data ended inside a window: its {self._iter_steps % k}"
-                f" of gradient_accumulation_steps={k} micro-batches were not applied. Give a number of micro-batches that is a multiple"
-                " of gradient_accumulation_steps.",
+                f"ExactPeftTrainer: the data ended inside a window: its {open_micro_batches} of"
+                f" gradient_accumulation_steps={self._window_size()} micro-batches were not"
+                " applied. Give a number of micro-batches that is a multiple of"
+                " gradient_accumulation_steps.",
                 stacklevel=2,
             )
+
+    def _window_size(self) -> int:
+        """``k``: the micro-batches of an update."""
+        return self.config.gradient_accumulation_steps or 1
+
+    def _open_micro_batches(self) -> int:
+        """The micro-batches of the window the loop has not closed yet (0 at a boundary)."""
+        return self._iter_steps % self._window_size()
 
     def _eval_step(self, model: nnx.Module, inputs: Any):
         """One eval batch: its mean loss, and the loss's aux."""

@@ -66,12 +66,10 @@ def restore_state(saved: Any, like: Any) -> Any:
         if isinstance(target, int | float | bool):  # TrainState.create's step=0
             restored.append(_python_scalar(value, target, where))
             continue
-        if not hasattr(value, "dtype"):  # a saved Python scalar: in JAX's dtype for it
-            value = np.asarray(jax.numpy.asarray(value))
         if is_key(target):
             restored.append(_prng_key(value, target, where))
             continue
-        value = np.asarray(value)
+        value = np.asarray(value if hasattr(value, "dtype") else jax.numpy.asarray(value))
         value = _window_sum(value, target, where) if key in sums else _same(value, target, where)
         restored.append(_place(value, target))
     if saved_leaves:

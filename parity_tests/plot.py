@@ -126,8 +126,9 @@ def _draw_row(ax, y: int, checks: list[Check]) -> None:
         note += (
             f"  (flagged by {checks[0].comm[0]:g} all-reduces/window, not {checks[0].comm[1]:g})"
         )
-    lost = [u + 1 for u, d in enumerate(checks[0].param_dev) if not math.isfinite(d)]
-    if checks[0].kind == "poison-control" and lost:  # at the right edge: written to its left
+    poisoned = checks[0].kind == "poison-control"
+    lost = [u + 1 for u, d in enumerate(checks[0].param_dev) if poisoned and not math.isfinite(d)]
+    if lost:  # a poisoned control sits at the right edge: its note goes to its left
         note = f"parameters not finite from update {lost[0]}  "
         ax.annotate(note, (worst, y), xytext=(-75, -3), textcoords="offset points",
                     fontsize=7.5, ha="right")  # fmt: skip
