@@ -6,6 +6,9 @@ Runs everywhere (numpy only): the trainers themselves run in ``trainers_test.py`
 
 from __future__ import annotations
 
+import ast
+import pathlib
+
 from jax_trainers import table
 from parity_tests import docs_blocks
 
@@ -28,3 +31,14 @@ def test_the_demo_shows_the_rows_as_recorded_with_date_and_versions():
     assert "RECORDED" in text and header["date"] in text
     assert all(f"{name} {v}" in text for name, v in header["versions"].items())
     assert all(row.verdict in text for row in rows)
+
+
+def test_the_recorded_lesson_quotes_the_fix_as_its_source_reads():
+    # lesson 11 prints the fix's source: an edit to it needs `make jax-trainers-record` (here
+    # without Tunix, read from the files, so an edit fails `make test` before CI's fresh run)
+    recorded = table.recorded_lesson_output()
+    for path, name in [("tunix_sft.py", "summed_loss"), ("tunix_fix.py", "ExactPeftTrainer")]:
+        source = (pathlib.Path(table.__file__).parent / path).read_text()
+        node = next(n for n in ast.parse(source).body if getattr(n, "name", None) == name)
+        quoted = ast.get_source_segment(source, node)
+        assert quoted in recorded, f"{path}:{name} changed: run make jax-trainers-record"
