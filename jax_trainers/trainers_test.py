@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 
 import pytest
 
@@ -175,9 +176,10 @@ def test_the_grpo_fix_hands_the_optimizer_tunix_s_loss_as_its_sum_and_items(mode
     assert float(eval_aux["pg_clipfrac"]) == float(aux["pg_clipfrac"])
 
 
-def sft_trainer(k: int, *, micro_batches: int, max_steps: int, profiler_options=None):
+def sft_trainer(k: int, *, micro_batches: int, max_steps: int, **config):
     """ExactPeftTrainer of the tiny Llama with SGD, its mesh, and examples of the skewed rows
-    cut into ``micro_batches`` (row i goes to micro-batch i % micro_batches)."""
+    cut into ``micro_batches`` (row i goes to micro-batch i % micro_batches); ``config``: more
+    ``TrainingConfig`` fields."""
     import jax.numpy as jnp
     import optax
     from tunix.sft import peft_trainer
@@ -188,7 +190,7 @@ def sft_trainer(k: int, *, micro_batches: int, max_steps: int, profiler_options=
     mesh, model = tunix_sft.on_mesh(tunix_sft.model_parts()[1], 1)
     config = peft_trainer.TrainingConfig(
         eval_every_n_steps=1_000, max_steps=max_steps, pbar_description=None,
-        gradient_accumulation_steps=k, profiler_options=profiler_options,
+        gradient_accumulation_steps=k, **config,
     )  # fmt: skip
     trainer = tunix_fix.ExactPeftTrainer(model, optax.sgd(1.0), config)
     trainer = trainer.with_gen_model_input_fn(tunix_sft.gen_model_input_fn)
@@ -257,3 +259,39 @@ def test_the_sft_fix_warns_when_the_data_ends_inside_a_window():
         with pytest.warns(UserWarning, match="its 1 of gradient_accumulation_steps=2"):
             trainer.train(examples)  # 3 micro-batches: one update and an open window
     assert trainer.train_steps == 1
+
+
+def test_the_sft_fix_resumes_a_checkpoint_saved_inside_a_window_where_it_stopped(tmp_path):
+    # k = 2: the first trainer's data ends after 5 micro-batches, and close() saves update 2
+    # with its open window (update 1, Orbax's first, was saved at its boundary); the second
+    # trainer restores it and trains on all 8. Tunix skips k micro-batches per saved update:
+    # the fix fed micro-batch 5 again (counted twice) and closed each later window one
+    # micro-batch before the loop logged it
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    import jaxaccum
+    from jax_trainers import tunix_sft
+    from testkit import standard_numerics
+
+    def run(micro_batches_per_call: list[int]):
+        directory = tmp_path / "-".join(map(str, micro_batches_per_call))
+        for n in micro_batches_per_call:
+            trainer, mesh, examples = sft_trainer(
+                2, micro_batches=8, max_steps=4, checkpoint_root_directory=str(directory),
+                checkpointing_options=ocp.CheckpointManagerOptions(save_interval_steps=100),
+            )  # fmt: skip
+            with standard_numerics(), tunix_sft.mesh_warning_ignored(), mesh:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # the open window's warning
+                    trainer.train(examples[:n])
+        record = jaxaccum.window_metrics(trainer.optimizer.opt_state).to_python()
+        return jax.device_get(nnx.state(trainer.model, nnx.Param)), record
+
+    straight, straight_record = run([8])
+    resumed, resumed_record = run([5, 8])
+    assert resumed_record == straight_record  # items, loss, norm, update id
+    # the same sums in the same order: bitwise
+    jax.tree.map(np.testing.assert_array_equal, resumed, straight)

@@ -44,7 +44,9 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
     (``jaxaccum.window_metrics``): ``loss`` the window's mean loss, the one its update
     minimises, and ``grad_norm`` the norm of its gradient before clipping, where Tunix logs
     the mean over the micro-batches of each one's. A window still open when the data ends
-    is not applied (as in Tunix): ``train`` warns (RL's learner calls it again).
+    is not applied (as in Tunix): ``train`` warns (RL's learner calls it again). The
+    checkpoint ``close()`` then saves holds that window's sums: a trainer restoring it goes on
+    inside the window, with the micro-batch after the last it holds.
     The eval loss is each batch's mean, ``loss_sum / num_items``.
     """
 
@@ -56,7 +58,9 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
         without_multisteps.profiler_options = None  # counted in micro-batches: built below
         super().__init__(model, jaxaccum.multi_steps(optimizer, k), without_multisteps, **kwargs)
         self.config = training_config  # the loop closes an update every k micro-batches
-        self._iter_steps = self._train_steps * k  # as PeftTrainer counts them after a restore
+        # as PeftTrainer counts them after a restore, and the open window's: the loop skips
+        # (Tunix: feeds again) the micro-batches whose sums a restored state holds
+        self._iter_steps = self._train_steps * k + self._window_step()
         max_steps = training_config.max_steps
         self._prof = profiler.Profiler(  # in micro-batches, as PeftTrainer builds it
             initial_step=self._iter_steps,
@@ -107,6 +111,11 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
     def _window_size(self) -> int:
         """``k``: the micro-batches of an update."""
         return self.config.gradient_accumulation_steps or 1
+
+    def _window_step(self) -> int:
+        """The micro-batches in the optimizer state's open window: 0 but in a state restored
+        from a checkpoint saved inside a window (``close()`` saves one where the data ended)."""
+        return int(self.optimizer.opt_state.window_step.get_value())
 
     def _open_micro_batches(self) -> int:
         """The micro-batches of the window the loop has not closed yet (0 at a boundary)."""
