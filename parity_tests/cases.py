@@ -40,6 +40,8 @@ def control_scenario(dtype: str = "float32") -> Scenario:
 # fp16 dynamic loss scaling (fp32 compute) on R2k2: scale 2**10, doubled after every 2 applied
 # windows, and an inf injected into rank 1's first micro-batch of window 3: expected
 # skipped F F F T F and next-window scales 1024 2048 2048 1024 1024 (a growth, then a backoff).
+# DEFAULT_OPT's warmup-cosine gives window 4 the LR of update 3 (9.3e-4); a schedule that moved
+# on the skipped window gives it update 4's (7.5e-4): torch_ref.buggy's scheduler_per_window.
 LOSS_SCALING = LossScaling(init_scale=2.0**10, growth_interval=2, inf_microbatches=((3, 1, 0),))
 
 

@@ -2,9 +2,9 @@
 
 One module-scoped run of :func:`parity_tests.suite.run_suite` (CPU, quick: R2k2
 token fp32 with every negative control, R4k1 sample fp32, R2k2 token fp64, and
-R2k2 token with fp16 dynamic loss scaling and an injected overflow),
-then one test per promise. Tolerances and their reasons live in
-``parity_tests.compare.TOLERANCES`` (fp32: parameters 1e-4 of the movement,
+R2k2 token with fp16 dynamic loss scaling and an injected overflow, with the
+controls that only an overflow shows), then one test per promise. Tolerances and
+their reasons live in ``parity_tests.compare.TOLERANCES`` (fp32: parameters 1e-4 of the movement,
 fp64: 1e-9, each with the measured worst it leaves room over).
 
 The suite runs under the session's strict promotion (``conftest.py``): its own
@@ -20,9 +20,10 @@ import pytest
 pytest.importorskip("torch", reason="needs torch: no CPU build for this Python here")
 
 import torch_ref  # noqa: E402
-from parity_tests import cases, report, report_files, suite  # noqa: E402
+from parity_tests import cases, compare, report, report_files, suite  # noqa: E402
 from parity_tests.checks import FLAG_RATIO  # noqa: E402
 from parity_tests.compare import TOLERANCES  # noqa: E402
+from parity_tests.torch_scenario import WarmupCosine  # noqa: E402
 
 pytestmark = pytest.mark.slow  # processes, or minutes of compiling: `make test` only
 
@@ -130,9 +131,42 @@ def test_negative_controls_are_flagged(result):
         f"{_describe(c)}; ratios {c.ratios}" for c in controls if c.ratios["param"] < FLAG_RATIO
     ]
     # Every numeric bug moves the parameters >= 100 x the fp32 tolerance away from the big
-    # batch on the default skewed data (measured: 309 for ddp_average_forgotten up to ~1e5).
+    # batch on the default skewed data (measured: 309 for ddp_average_forgotten up to ~1e5),
+    # or from torch_ref on the loss-scaling scenario (measured 669 and 4760, the test below).
     assert not weak, "\n".join(weak)
     assert all(c.tol == TOLERANCES["float32"] and c.passed for c in controls)
+
+
+def test_the_bugs_of_a_skipped_window_are_flagged_by_their_parameters(result):
+    # They change nothing until window 3 overflows, so they run on the loss-scaling scenario
+    # only, each against torch_ref there (no big batch skips a window); fp32's tolerance.
+    scn, tol = cases.scaling_scenario(), TOLERANCES["float32"].param
+    ref = result.runs[suite._key("torch", scn)]
+    found = {c.subject: c for c in result.checks if c.scenario == scn.name and c.kind != "parity"}
+    assert set(found) == {"optax.MultiSteps (no skip)", "torch_ref:skip_per_microbatch",
+                          "torch_ref:scheduler_per_window"}  # fmt: skip
+    skip, sched = found["torch_ref:skip_per_microbatch"], found["torch_ref:scheduler_per_window"]
+    assert skip.reference == sched.reference == "torch_ref" and skip.kind == sched.kind == "control"
+    assert skip.passed and sched.passed
+    # skip_per_microbatch: the same updates before the overflow (each micro-batch all-reduces:
+    # fp32 rounding, measured <= 3.6e-6), then window 3 applied without the inf's micro-batch:
+    # 0.48 of the movement (measured), 4.8e3 x the tolerance.
+    assert max(skip.param_dev[:3]) <= tol and skip.param_dev[3] >= FLAG_RATIO * tol
+    run = result.runs[suite._key("torch", scn, "skip_per_microbatch")]
+    # nothing is skipped, and the scale grows where torch_ref's backs off (powers of 2: exact)
+    assert [r["skipped"] for r in run.records] == [False] * 5
+    assert [r["loss_scale"] for r in run.records] == [1024.0, 2048.0, 2048.0, 4096.0, 4096.0]
+    # scheduler_per_window: bitwise torch_ref until the schedule moved on window 3, then window 4
+    # runs at update 4's LR, not update 3's: 0.067 of the movement (measured), 6.7e2 x the
+    # tolerance. Its skipped, loss_scale and update_id sequences are torch_ref's, exactly.
+    assert sched.param_dev[:4] == [0.0] * 4 and sched.param_dev[4] >= FLAG_RATIO * tol
+    run = result.runs[suite._key("torch", scn, "scheduler_per_window")]
+    assert all(a == b for a, b in compare.sequences(run, ref).values())
+    o = scn.opt
+    lr = WarmupCosine(o.warmup, o.decay_steps, o.init_lr, o.end_lr)
+    # LambdaLR's peak * (lr / peak): float64 rounding
+    assert run.records[4]["learning_rate"] == pytest.approx(lr(4, o.lr), rel=1e-12)
+    assert ref.records[4]["learning_rate"] == pytest.approx(lr(3, o.lr), rel=1e-12)
 
 
 def test_no_sync_around_backward_only_costs_an_allreduce_per_micro_batch(result):
@@ -186,7 +220,7 @@ def test_printed_report_reads_in_100_columns(result):
         f"PASS: {len(parity)}/{len(parity)} checks within tolerance, "
         f"{len(bugs)}/{len(bugs)} known bugs flagged ("
     )
-    assert (len(parity), len(bugs)) == (12, 10)
+    assert (len(parity), len(bugs)) == (12, 12)
     table = report.table(result).splitlines()
     lines = [report.verdict(result), *report.legend(result), *table]
     lines += report.comm_lines(result) + report.scaling_lines(result, short=True)

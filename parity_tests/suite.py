@@ -21,6 +21,7 @@ and warmup-cosine active, so that every bug has something to act on):
 
     optax.MultiSteps (per-micro-batch means) vs jax big batch     must be FLAGGED
     torch_ref.buggy.<each bug>               vs torch big batch   must be FLAGGED
+        (but the two that change nothing until a window is skipped: below)
     no_sync_backward_only: gradient all-reduces per window vs torch_ref (same
     numbers by design; the bug is k x the communication)
 
@@ -31,6 +32,9 @@ micro-batch of one rank in window 3, the same way on both sides):
     jaxaccum  vs torch_ref          the same windows skipped, the same loss-scale and
                                     update_id sequences (exactly), parameters within fp32
     optax.MultiSteps (no skip) vs jaxaccum   must be FLAGGED: the inf reaches its state
+    torch_ref.buggy.skip_per_microbatch, scheduler_per_window  vs torch_ref  must be FLAGGED
+        (``Variant.overflow_only``: window 3 is applied without the inf's micro-batch; the
+        LR schedule moves on window 3, and warmup-cosine's LR differs between updates)
 
 Matrices (``parity_tests.cases.matrix``): CPU full = world {1, 2, 4} x k {1, 2, 4} x unit
 {token, sample} x dtype {float32, float64}; CUDA full = the same with
@@ -96,9 +100,16 @@ def _key(kind: str, case: Case | Scenario, bug: str | None = None) -> str:
     return f"{kind}|{case.name}" + (f"|{bug}" if bug else "")
 
 
+def _bugs(case: Case) -> list[str]:
+    """The bugs of ``torch_ref.buggy`` run on ``case``: on the loss-scaling case those seen
+    only on a skipped window (``Variant.overflow_only``), on a control case the others."""
+    return [bug for bug, v in buggy.VARIANTS.items() if v.overflow_only == case.scaled]
+
+
 def _torch_groups(plan: Plan) -> dict[int, list[tuple[str, run_torch.TorchJob]]]:
     """torch_ref's runs by world size, one launch each (world 1 runs in-process): every
-    big batch, every scenario that is no big batch, each control with every bug."""
+    big batch, every scenario that is no big batch, each control (and the loss-scaling
+    case) with its bugs (:func:`_bugs`)."""
     jobs: dict[int, list[tuple[str, run_torch.TorchJob]]] = {}
 
     def add(key, job):
@@ -109,10 +120,10 @@ def _torch_groups(plan: Plan) -> dict[int, list[tuple[str, run_torch.TorchJob]]]
     for case in plan.cases:
         if case.big is not None:
             add(_key("torch", case), run_torch.TorchJob(case, count_comm=case in plan.controls))
-    for ctl in plan.controls:
+    for ctl in plan.controls + [c for c in plan.cases if c.scaled]:
         if ctl not in plan.cases:
             add(_key("torch", ctl), run_torch.TorchJob(ctl, count_comm=True))
-        for bug in buggy.VARIANTS:
+        for bug in _bugs(ctl):
             add(_key("torch", ctl, bug), run_torch.TorchJob(ctl, bug=bug, count_comm=True))
     return jobs
 
@@ -193,7 +204,7 @@ def build_checks(plan: Plan, runs: dict[str, Run]) -> list[Check]:
         ja, tr = runs.get(_key("jaxaccum", case)), _torch_run(runs, case)
         add(case, ja, tr)
         if case.scaled:  # a skipped window: no big batch to match, only jaxaccum vs torch_ref
-            checks += _poisoned_state_control(case, ja, runs)
+            checks += _poisoned_state_control(case, ja, runs) + _overflow_controls(case, tr, runs)
             continue
         add(case, ja, runs.get(_key("jax big", big)))
         if case.big is not None:
@@ -212,11 +223,11 @@ def _control_checks(ctl: Case, runs: dict[str, Run]) -> list[Check]:
     ms, tr = runs.get(_key("optax.MultiSteps", ctl)), _torch_run(runs, ctl)
     if ms is not None and jbig is not None:
         checks.append(compare.compare(ctl.name, ms, jbig, tol, "control"))
-    for bug, variant in buggy.VARIANTS.items():
+    for bug in _bugs(ctl):
         run = runs.get(_key("torch", ctl, bug))
         if run is None or tbig is None:
             continue
-        if variant.communication_only:
+        if buggy.VARIANTS[bug].communication_only:
             comm = (_allreduces(run), _allreduces(tr)) if tr is not None else None
             checks.append(compare.compare(ctl.name, run, tbig, tol, "comm-control", comm))
         else:
@@ -232,6 +243,18 @@ def _poisoned_state_control(case: Case, jaxaccum_run: Run | None, runs: dict) ->
         return []
     ms = dataclasses.replace(ms, label="optax.MultiSteps (no skip)")
     return [compare.compare(case.name, ms, jaxaccum_run, TOLERANCES["float32"], "poison-control")]
+
+
+def _overflow_controls(case: Case, torch_ref_run: Run | None, runs: dict) -> list[Check]:
+    """The loss-scaling case's torch bugs (:func:`_bugs`), each against torch_ref on the same
+    case (fp32's tolerance): the same loop until the window with the inf."""
+    checks = []
+    for bug in _bugs(case):
+        run = runs.get(_key("torch", case, bug))
+        if run is not None and torch_ref_run is not None:
+            tol = TOLERANCES["float32"]
+            checks.append(compare.compare(case.name, run, torch_ref_run, tol, "control"))
+    return checks
 
 
 def _allreduces(run: Run) -> float:

@@ -81,7 +81,7 @@ NaN or inf it computed.
 Bugs::
 
     buggy.Variant(name, objective, no_sync, clip, scheduler, tail_divisor, does, effect, seen_in)
-    buggy.REFERENCE;  buggy.VARIANTS: {name: Variant}, the 8 known bugs
+    buggy.REFERENCE;  buggy.VARIANTS: {name: Variant}, the 10 known bugs
     buggy.variant(name | None) -> Variant
 
 Audit (``docs/audit.md``; the report is ``bigbatch.AuditReport``, as in ``jaxaccum.audit``)::

@@ -6,14 +6,16 @@ share: where the model runs (`placement`), the micro-batch's
 forward and summed loss (`forward_loss_sum`), the one all-reduce of a few
 scalars (`sum_over_ranks`, `window_items`), the global norm and clipping factor
 of ``torch.nn.utils.clip_grad_norm_`` (`global_norm`, `clip_coef`,
-`scale_grads`, `backward_clipped`) and the GradScaler-aware step
+`scale_grads`), a micro-batch's gradient on its own (`own_gradient`:
+`backward_clipped`, `backward_if_finite`) and the GradScaler-aware step
 (`optimizer_step`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -25,22 +27,43 @@ from torch_ref._loss import causal_lm_loss_sum
 Microbatch = dict[str, torch.Tensor]
 
 
-def backward_clipped(
-    objective: torch.Tensor, params: Sequence[nn.Parameter], max_norm: float | None
-) -> None:
-    """Decision 3, per micro-batch: backward, clip THIS micro-batch's gradient, add it."""
-    assert max_norm is not None  # checked by Variant.check
+@contextlib.contextmanager
+def own_gradient(params: Sequence[nn.Parameter]) -> Iterator[None]:
+    """Inside: ``p.grad`` holds only what the block's backward adds (one micro-batch's
+    gradient); after: the sums of the micro-batches before are added back to it."""
     accumulated = [p.grad for p in params]
     for p in params:
         p.grad = None
-    objective.backward()
-    scale_grads(params, clip_coef(float(global_norm(params).item()), max_norm))
+    yield
     with torch.no_grad():
         for p, acc in zip(params, accumulated, strict=True):
             if p.grad is None:
                 p.grad = acc
             elif acc is not None:
                 p.grad.add_(acc)
+
+
+def backward_clipped(
+    objective: torch.Tensor, params: Sequence[nn.Parameter], max_norm: float | None
+) -> None:
+    """Decision 3, per micro-batch: backward, clip THIS micro-batch's gradient, add it."""
+    assert max_norm is not None  # checked by Variant.check
+    with own_gradient(params):
+        objective.backward()
+        scale_grads(params, clip_coef(float(global_norm(params).item()), max_norm))
+
+
+def backward_if_finite(objective: torch.Tensor, params: Sequence[nn.Parameter]) -> bool:
+    """Decision 3, per micro-batch: backward; add THIS micro-batch's gradient if its norm
+    is finite, else zeros in its place. Returns whether it was added."""
+    with own_gradient(params):
+        objective.backward()
+        finite = math.isfinite(float(global_norm(params).item()))
+        if not finite:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.zero_()
+    return finite
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager:

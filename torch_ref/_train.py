@@ -23,7 +23,7 @@ A short (tail) window is normalized by its own items, like any window. The
 known bugs are the same loop with other choices at its five decision points
 (`torch_ref.buggy`, ``variant=``): the loop asks the `Variant`'s hooks there
 (``divisors``, ``objective_scale``, ``no_sync_scopes``, ``backward``,
-``clip_window``, ``after_microbatch``, ``after_update``); the reference's
+``clip_window``, ``after_microbatch``, ``after_window``); the reference's
 hooks make the choices above.
 """
 
@@ -125,7 +125,9 @@ def train_update(
     window_items = steps.window_items(ddp, world_size, items, device)
     optimizer.zero_grad(set_to_none=True)
     if window_items == 0:
-        return _skip_empty_window(progress, k, unit, empty_window, optimizer, scaler)
+        skipped_record = _skip_empty_window(progress, k, unit, empty_window, optimizer, scaler)
+        variant.after_window(scheduler, applied=False)
+        return skipped_record
 
     # 2. Per micro-batch: forward, summed loss, backward of loss_sum * R / N. The variant's
     # hooks make the choices: divisors (decision 5), objective_scale (1), no_sync_scopes (2),
@@ -138,8 +140,9 @@ def train_update(
         with forward_scope:
             loss_sum = steps.forward_loss_sum(model, mb, unit, autocast_dtype)
             with backward_scope:
-                variant.backward(loss_sum * scale, params, scaler, max_grad_norm)
-        objective_sum += loss_sum.detach().to(torch.float64) * scale
+                added = variant.backward(loss_sum * scale, params, scaler, max_grad_norm)
+        if added:  # the reference adds every micro-batch (decision 3 may drop one)
+            objective_sum += loss_sum.detach().to(torch.float64) * scale
         variant.after_microbatch(scheduler)
 
     # 3. At the boundary, once: the window loss, unscale, norm, clip (decision 3), step.
@@ -156,8 +159,7 @@ def train_update(
     # 4. The counters and the scheduler (decision 4) advance only with a real update.
     reason = SkipReason.NONFINITE if skipped else SkipReason.APPLIED
     progress.advance(k, window_items, reason)
-    if not skipped:
-        variant.after_update(scheduler)
+    variant.after_window(scheduler, applied=not skipped)
     clipped = grad_norm if skipped else grad_norm * clip_coef
     return record(progress, window_items, loss, grad_norm, clipped, reason, lr, loss_scale)
 

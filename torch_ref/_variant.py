@@ -21,8 +21,8 @@ from torch_ref import _steps as steps
 CHOICES: dict[str, tuple[str, ...]] = {
     "objective": ("global_sum", "global_sum_no_R", "rank_mean", "microbatch_mean", "mean_of_means"),
     "no_sync": ("forward_and_backward", "backward_only", "never"),
-    "clip": ("window", "per_microbatch"),
-    "scheduler": ("per_update", "per_microbatch"),
+    "clip": ("window", "per_microbatch", "skip_per_microbatch"),
+    "scheduler": ("per_update", "per_microbatch", "per_window"),
     "tail_divisor": ("real_items", "nominal_k"),
 }
 """The choices of each decision point, the reference's first."""
@@ -55,10 +55,15 @@ class Variant:
         per window; DDP decides at FORWARD time whether the next backward
         all-reduces), "backward_only" (every micro-batch all-reduces), or "never"
         (every micro-batch's gradient is global, as in a per-micro-batch pjit step).
-      clip: decision 3, clip (``max_grad_norm``) the window gradient once, or each
-        micro-batch's gradient alone before adding it.
-      scheduler: decision 4, step the LR scheduler once per APPLIED update, or
-        after every micro-batch (skipped windows included).
+      clip: decision 3, where clipping (``max_grad_norm``) and the non-finite check
+        happen: "window" (the window gradient is clipped once; a non-finite window is
+        skipped whole), "per_microbatch" (each micro-batch's gradient is clipped alone
+        before it is added), or "skip_per_microbatch" (each micro-batch's gradient is
+        checked alone and a non-finite one is dropped, its loss too; the others are
+        applied, divided by the window's N as usual).
+      scheduler: decision 4, step the LR scheduler once per APPLIED update, after
+        every micro-batch (skipped windows included), or after every window
+        (skipped windows included; ``update_id`` still counts applied updates).
       tail_divisor: decision 5, normalize a window by its real items and
         micro-batches, or as if it had the nominal k micro-batches.
       does: what the code does, in a sentence.
@@ -86,6 +91,16 @@ class Variant:
     def switches(self) -> dict[str, str]:
         """The choice at each decision point, ``{field: choice}``."""
         return {field: getattr(self, field) for field in CHOICES}
+
+    @property
+    def overflow_only(self) -> bool:
+        """True when the variant changes the update only where the reference skips a window.
+
+        Checking each micro-batch for non-finite values, or stepping the scheduler on
+        skipped windows, gives the reference's updates until a window overflows (or, for
+        the scheduler, has no item): the parity suite runs these where an inf is injected.
+        """
+        return self.clip == "skip_per_microbatch" or self.scheduler == "per_window"
 
     @property
     def communication_only(self) -> bool:
@@ -166,16 +181,25 @@ class Variant:
         params: Sequence[nn.Parameter],
         scaler: torch.amp.GradScaler | None,
         max_grad_norm: float | None,
-    ) -> None:
+    ) -> bool:
         """Decision 3, per micro-batch: adds ``grad(objective)`` to the gradients.
 
         The reference adds it whole (GradScaler-scaled); ``clip="per_microbatch"``
-        clips this micro-batch's gradient alone first (`torch_ref._steps.backward_clipped`).
+        clips this micro-batch's gradient alone first (`torch_ref._steps.backward_clipped`);
+        ``clip="skip_per_microbatch"`` adds it only if it is finite
+        (`torch_ref._steps.backward_if_finite`).
+
+        Returns:
+          whether the micro-batch was added (False: dropped, its loss is left out too).
         """
         if self.clip == "per_microbatch":
             steps.backward_clipped(objective, params, max_grad_norm)
-        else:
-            (scaler.scale(objective) if scaler is not None else objective).backward()
+            return True
+        scaled = scaler.scale(objective) if scaler is not None else objective
+        if self.clip == "skip_per_microbatch":
+            return steps.backward_if_finite(scaled, params)
+        scaled.backward()
+        return True
 
     def clip_window(
         self, params: Sequence[nn.Parameter], grad_norm: float, max_grad_norm: float | None
@@ -183,10 +207,11 @@ class Variant:
         """Decision 3, at the boundary: clips the window gradient; returns the factor.
 
         The reference scales it by ``clip_grad_norm_``'s ``min(1, max_grad_norm /
-        (grad_norm + 1e-6))``; the factor is 1.0 without ``max_grad_norm`` or when
-        ``clip="per_microbatch"`` clipped each micro-batch instead.
+        (grad_norm + 1e-6))``, and so does ``clip="skip_per_microbatch"``; the factor is
+        1.0 without ``max_grad_norm`` or when ``clip="per_microbatch"`` clipped each
+        micro-batch instead.
         """
-        if max_grad_norm is None or self.clip != "window":
+        if max_grad_norm is None or self.clip == "per_microbatch":
             return 1.0
         coef = steps.clip_coef(grad_norm, max_grad_norm)
         steps.scale_grads(params, coef)
@@ -199,7 +224,11 @@ class Variant:
                 warnings.simplefilter("ignore")
                 scheduler.step()
 
-    def after_update(self, scheduler: Any | None) -> None:
-        """Decision 4, after an APPLIED update: step the LR scheduler (or nothing)."""
-        if self.scheduler == "per_update" and scheduler is not None:
-            scheduler.step()
+    def after_window(self, scheduler: Any | None, applied: bool) -> None:
+        """Decision 4, after each window: step the LR scheduler if the update was
+        ``applied`` (the reference), whatever it was (``per_window``), or not here."""
+        steps_now = {"per_update": applied, "per_window": True, "per_microbatch": False}
+        if steps_now[self.scheduler] and scheduler is not None:
+            with warnings.catch_warnings():  # torch warns: scheduler before optimizer
+                warnings.simplefilter("ignore")  # (per_window, a first window skipped)
+                scheduler.step()

@@ -6,15 +6,16 @@ five (the algorithm of ``docs/math.md``), and every known bug flips one or two
 of them. The loop asks the variant at each point through its hooks:
 `Variant.divisors` (5), `Variant.objective_scale` (1), `Variant.no_sync_scopes`
 (2), `Variant.backward` and `Variant.clip_window` (3), `Variant.after_microbatch`
-and `Variant.after_update` (4). With R ranks, k micro-batches per rank, n_m the
+and `Variant.after_window` (4). With R ranks, k micro-batches per rank, n_m the
 items of micro-batch m, N_r those of rank r and N those of the window::
 
     decision                    field         reference             bug choices
     1 micro-batch objective     objective     global_sum            global_sum_no_R, rank_mean,
                                                                     microbatch_mean, mean_of_means
     2 what no_sync() wraps      no_sync       forward_and_backward  backward_only, never
-    3 where clipping happens    clip          window                per_microbatch
-    4 when the scheduler steps  scheduler     per_update            per_microbatch
+    3 where clipping and the    clip          window                per_microbatch,
+      non-finite check happen                                       skip_per_microbatch
+    4 when the scheduler steps  scheduler     per_update            per_microbatch, per_window
     5 the window's divisor      tail_divisor  real_items            nominal_k
 
 The objective is what each micro-batch backpropagates (DDP then AVERAGES the
@@ -31,7 +32,8 @@ With ``tail_divisor="nominal_k"`` the divisors are those of a window of the
 nominal k micro-batches (N becomes N k_nominal / k, k becomes k_nominal), which
 only changes a short (tail) window. ``record["loss"]`` under a bug is the value
 of its objective (summed over micro-batches and ranks, over R): what that code
-would log.
+would log. Two bugs change nothing until a window is skipped (`Variant.overflow_only`):
+``skip_per_microbatch`` and ``scheduler_per_window``.
 
 Example:
     >>> VARIANTS["missing_1_over_k"].objective
@@ -98,7 +100,7 @@ VARIANTS: dict[str, Variant] = {
             does="every micro-batch is synchronized, clipped to max_grad_norm alone and added",
             effect="the direction and size of the window gradient change whenever one "
             "micro-batch exceeds the threshold (needs max_grad_norm and no GradScaler)",
-            seen_in="Praxis, Paxml (per-micro-batch clipping and NaN skipping)",
+            seen_in="Praxis, Paxml (per-micro-batch clipping)",
         ),
         Variant(
             name="fixed_divisor_tail",
@@ -115,6 +117,25 @@ VARIANTS: dict[str, Variant] = {
             effect="the LR curve runs k x too fast and moves on skipped windows",
             seen_in="an outer TrainState.step with optax.MultiSteps; Hugging Face global_step "
             "counted in micro-steps",
+        ),
+        Variant(
+            name="skip_per_microbatch",
+            no_sync="never",
+            clip="skip_per_microbatch",
+            does="every micro-batch is synchronized and checked alone; a non-finite one is "
+            "dropped (its gradient and loss) and the window applied with the others' sums / N",
+            effect="an overflow no longer skips the window: the optimizer and scheduler step on "
+            "a gradient missing the dropped micro-batch's share, and a GradScaler never backs off",
+            seen_in="Praxis, Paxml (per-micro-batch NaN skipping)",
+        ),
+        Variant(
+            name="scheduler_per_window",
+            scheduler="per_window",
+            does="the LR scheduler steps after every window, skipped windows included",
+            effect="each skipped window moves the LR curve one update ahead (update_id, which "
+            "counts applied updates, does not show it)",
+            seen_in="Hugging Face global_step (it counts a window the GradScaler skipped; a "
+            "schedule read from it moves); an outer TrainState.step with optax.MultiSteps",
         ),
         Variant(
             name="no_sync_backward_only",

@@ -7,6 +7,8 @@ denominator, forgotten DDP average, no_sync around backward only) are in
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -107,6 +109,76 @@ def test_scheduler_per_microbatch_runs_k_times_too_fast():
     # exact: 1/(t+1) in float64, the same division on both sides
     assert lrs["reference"] == [1.0, 1 / 2, 1 / 3]  # updates 0, 1, then the next LR
     assert lrs["scheduler_per_microbatch"] == [1 / 5, 1 / 9, 1 / 9]  # 4 micro-steps per update
+
+
+def _poison(model: torch.nn.Module, forward: int) -> None:
+    """Multiplies the logits of the model's ``forward``-th forward (from 0) by +inf: that
+    micro-batch's loss and gradient become NaN (the parity suite's injection)."""
+    count = itertools.count()
+    model.register_forward_hook(
+        lambda _m, _i, out: out * float("inf") if next(count) == forward else out
+    )
+
+
+def _scaled_update(window, poisoned: int, variant: Variant):
+    """(record, window gradient) of one update, SGD lr 0, a GradScaler at 2**10, an inf in
+    micro-batch ``poisoned``."""
+    model = TinyGPT(CONFIG, seed=0)
+    _poison(model, poisoned)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    record = train_update(model, window, opt, scaler=scaler, variant=variant)
+    return record, testing.flat_grad(model)
+
+
+def test_skip_per_microbatch_applies_the_window_with_the_finite_microbatches_sums():
+    window = microbatches(*skewed_batch(16), 4)  # items 49, 0, 31, 60: N = 140
+    rec, g = _scaled_update(window, 2, REFERENCE)
+    rec_b, g_b = _scaled_update(window, 2, VARIANTS["skip_per_microbatch"])
+    # The reference drops the window: no update, and the scale backs off (x0.5, exact).
+    assert (rec["skipped"], rec["update_id"], rec["loss_scale"]) == (True, 0, 512.0)
+    assert not torch.isfinite(g).all()
+    # The bug drops micro-batch 2 alone and applies the rest; the scale does not back off.
+    assert (rec_b["skipped"], rec_b["update_id"], rec_b["loss_scale"]) == (False, 1, 1024.0)
+    # By hand: the reference window of micro-batches 0, 1, 3 (N' = 109) divides by 109; the bug
+    # divides their sums by the whole window's N = 140, so it is 109/140 of that.
+    rec_w, g_w = window_grad([window[0], window[1], window[3]])
+    assert (rec_w["window_items"], rec_b["window_items"]) == (109.0, 140.0)
+    # float32: 1/140 and 1/109 rounded, and the scale 2**10 (measured 3.5e-7 and 0)
+    assert rel_l2(g_b, g_w * 109 / 140) <= LAYOUT_RTOL
+    assert abs(rec_b["loss"] - rec_w["loss"] * 109 / 140) <= 1e-6 * rec_b["loss"]
+
+
+def test_scheduler_per_window_moves_the_lr_on_skipped_windows():
+    # One-sample micro-batches (items 2, 47, 0, 0, 30, 1, 20, 40), k=2: windows 0 and 3 are
+    # applied, window 1 is empty, window 2 holds an inf (forward 2: window 1 runs no forward).
+    ids, labels = skewed_batch(17)
+    recs, lrs = {}, {}
+    for v in (REFERENCE, VARIANTS["scheduler_per_window"]):
+        model = TinyGPT(CONFIG)
+        _poison(model, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (t + 1))
+        recs[v.name] = train(model, microbatches(ids, labels, 8), opt, k=2, scheduler=sched,
+                             empty_window="skip", variant=v)  # fmt: skip
+        lrs[v.name] = [r["learning_rate"] for r in recs[v.name]] + [opt.param_groups[0]["lr"]]
+    for name in lrs:  # the same windows skipped, the same count of applied updates
+        assert [r["skip_reason"] for r in recs[name]] == [0, 1, 2, 0]
+        assert [r["update_id"] for r in recs[name]] == [1, 1, 1, 2]
+    # exact: 1/(t+1) in float64, the same division on both sides
+    assert lrs["reference"] == [1.0, 1 / 2, 1 / 2, 1 / 2, 1 / 3]  # windows 0-3, then the next LR
+    assert lrs["scheduler_per_window"] == [1.0, 1 / 2, 1 / 3, 1 / 4, 1 / 5]
+
+
+def test_two_bugs_change_nothing_without_a_skipped_window():
+    # The parity suite runs these on its loss-scaling scenario, where a window overflows.
+    names = [n for n, v in VARIANTS.items() if v.overflow_only]
+    assert names == ["skip_per_microbatch", "scheduler_per_window"]
+    window = microbatches(*skewed_batch(18), 4)
+    rec, g = window_grad(window)
+    rec_b, g_b = window_grad(window, variant=VARIANTS["skip_per_microbatch"])
+    # bitwise: the same micro-batch gradients, added as g_m + sum instead of sum + g_m
+    assert torch.equal(g_b, g) and rec_b["loss"] == rec["loss"]
 
 
 def test_only_no_sync_backward_only_keeps_the_numbers():
