@@ -19,27 +19,26 @@ from benchmarks._models import Model
 SMALL_DIFFERENCE = 256  # bytes: "equal up to a few scalars" (a few dozen 4-byte scalars)
 
 
+def _measure(model: Model, k: int) -> dict:
+    """The state bytes and leaves of both wrappers around AdamW, and of AdamW alone."""
+    shapes = lambda tx: jax.eval_shape(tx.init, model.params)
+    ours = shapes(jaxaccum.multi_steps(optax.adamw(1e-4), k))
+    theirs = shapes(optax.MultiSteps(optax.adamw(1e-4), k))
+    return {
+        "model": model.name,
+        "param_bytes": tree_bytes(model.params),
+        "inner_bytes": tree_bytes(shapes(optax.adamw(1e-4))),
+        "jaxaccum_bytes": tree_bytes(ours),
+        "optax_bytes": tree_bytes(theirs),
+        "jaxaccum_leaves": len(jax.tree.leaves(ours)),
+        "optax_leaves": len(jax.tree.leaves(theirs)),
+        "difference": tree_bytes(ours) - tree_bytes(theirs),
+    }
+
+
 def run(models: list[Model], *, k: int = 4) -> Section:
     """State bytes of both wrappers around AdamW (and the bare AdamW state) per model."""
-    results = []
-    for model in models:
-        shapes = lambda tx, model=model: jax.eval_shape(tx.init, model.params)
-        inner = tree_bytes(shapes(optax.adamw(1e-4)))
-        ours = shapes(jaxaccum.multi_steps(optax.adamw(1e-4), k))
-        theirs = shapes(optax.MultiSteps(optax.adamw(1e-4), k))
-        results.append(
-            {
-                "model": model.name,
-                "param_bytes": tree_bytes(model.params),
-                "inner_bytes": inner,
-                "jaxaccum_bytes": tree_bytes(ours),
-                "optax_bytes": tree_bytes(theirs),
-                "jaxaccum_leaves": len(jax.tree.leaves(ours)),
-                "optax_leaves": len(jax.tree.leaves(theirs)),
-            }
-        )
-    for r in results:
-        r["difference"] = r["jaxaccum_bytes"] - r["optax_bytes"]
+    results = [_measure(model, k) for model in models]
     rows = [
         [
             r["model"],

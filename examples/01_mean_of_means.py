@@ -80,62 +80,64 @@ def jaxaccum_multi_steps(params, masks):
     return -updates, jaxaccum.window_metrics(state).loss
 
 
+def part_window(window: int, n_short: int, n_long: int) -> None:
+    """One window of a short and a long micro-batch: each loop's token weights and loss."""
+    prefix = "w2_" if window else ""
+    HEADLINE.update({prefix + "short_tokens": f"{n_short}", prefix + "long_tokens": f"{n_long}"})
+    n = n_short + n_long
+    params, masks = token_params(n_short, n_long)
+    (big, big_loss), (mom, mom_loss), (ours, our_loss) = (
+        jax.device_get(f(params, masks))
+        for f in (big_batch, optax_multisteps, jaxaccum_multi_steps)
+    )
+    big_loss, mom_loss, our_loss = float(big_loss), float(mom_loss), float(our_loss)
+    last = n - 1  # the last long-sample token
+
+    print(f"window: {n_short} + {n_long} valid tokens")
+    print(
+        f"  {'':34} {'short token':>12} {'long token':>12} {'short/long':>10} {'short share':>12} {'loss':>7}"
+    )
+    rows = [
+        ("big batch (one mean over " + str(n) + ")", big, big_loss),
+        ("optax.MultiSteps (mean of means)", mom, mom_loss),
+        ("jaxaccum.multi_steps", ours, our_loss),
+    ]
+    for (name, w, loss), key in zip(rows, ("big_", "", "jaxaccum_"), strict=True):
+        short, long_ = float(w[0]), float(w[last])
+        share = short * n_short  # the short micro-batch's share of the window's weight
+        print(
+            f"  {name:34} {fraction(short):>12} {fraction(long_):>12} {short / long_:>10.0f}"
+            f" {share:>11.2%} {loss:>7.4f}"
+        )
+        HEADLINE.update(
+            {
+                f"{prefix}{key}short_token_weight": fraction(short),
+                f"{prefix}{key}long_token_weight": fraction(long_),
+                f"{prefix}{key}short_over_long": f"{short / long_:.0f}",
+                f"{prefix}{key}short_share": f"{share:.2%}",
+                f"{prefix}{key or 'mean_of_means_'}loss": f"{loss:.4f}",
+            }
+        )
+
+    # float32: a weight 1/n is exact to ~1e-7 relative; 1e-5 leaves room for the summation.
+    assert is_one_over(float(mom[0]), 2 * n_short) and is_one_over(float(mom[last]), 2 * n_long)
+    for w in (big, ours):
+        assert all(is_one_over(float(x), n) for x in (w[0], w[last]))
+    # jaxaccum's window gradient is the big batch's: same weights up to float32
+    # rounding of 1/n (1e-6 relative covers the two divisions and the casts)
+    assert float(np.max(np.abs(ours - big))) <= 1e-6 / n
+    # the logged losses: mean of means (4 + 1) / 2 = 2.5 vs the token mean
+    assert abs(mom_loss - (SHORT_LOSS + LONG_LOSS) / 2) <= 1e-6
+    assert abs(our_loss - big_loss) <= 1e-6 * big_loss  # float32 sum of ~1000 numbers
+    print()
+
+
 def main() -> int:
     print("Lesson 1: the mean of means (the bug of TRL issue 2175)")
     print(f"token losses: {SHORT_LOSS} in the short micro-batch, {LONG_LOSS} in the long one\n")
     HEADLINE.update(short_loss=f"{SHORT_LOSS}", long_loss=f"{LONG_LOSS}")
     for window, (n_short, n_long) in enumerate(WINDOWS):
-        prefix = "w2_" if window else ""
-        HEADLINE.update(
-            {prefix + "short_tokens": f"{n_short}", prefix + "long_tokens": f"{n_long}"}
-        )
-        n = n_short + n_long
-        params, masks = token_params(n_short, n_long)
-        (big, big_loss), (mom, mom_loss), (ours, our_loss) = (
-            jax.device_get(f(params, masks))
-            for f in (big_batch, optax_multisteps, jaxaccum_multi_steps)
-        )
-        big_loss, mom_loss, our_loss = float(big_loss), float(mom_loss), float(our_loss)
-        last = n - 1  # the last long-sample token
-
-        print(f"window: {n_short} + {n_long} valid tokens")
-        print(
-            f"  {'':34} {'short token':>12} {'long token':>12} {'short/long':>10} {'short share':>12} {'loss':>7}"
-        )
-        rows = [
-            ("big batch (one mean over " + str(n) + ")", big, big_loss),
-            ("optax.MultiSteps (mean of means)", mom, mom_loss),
-            ("jaxaccum.multi_steps", ours, our_loss),
-        ]
-        for (name, w, loss), key in zip(rows, ("big_", "", "jaxaccum_"), strict=True):
-            short, long_ = float(w[0]), float(w[last])
-            share = short * n_short  # the short micro-batch's share of the window's weight
-            print(
-                f"  {name:34} {fraction(short):>12} {fraction(long_):>12} {short / long_:>10.0f}"
-                f" {share:>11.2%} {loss:>7.4f}"
-            )
-            HEADLINE.update(
-                {
-                    f"{prefix}{key}short_token_weight": fraction(short),
-                    f"{prefix}{key}long_token_weight": fraction(long_),
-                    f"{prefix}{key}short_over_long": f"{short / long_:.0f}",
-                    f"{prefix}{key}short_share": f"{share:.2%}",
-                    f"{prefix}{key or 'mean_of_means_'}loss": f"{loss:.4f}",
-                }
-            )
-
-        # float32: a weight 1/n is exact to ~1e-7 relative; 1e-5 leaves room for the summation.
-        assert is_one_over(float(mom[0]), 2 * n_short) and is_one_over(float(mom[last]), 2 * n_long)
-        for w in (big, ours):
-            assert all(is_one_over(float(x), n) for x in (w[0], w[last]))
-        # jaxaccum's window gradient is the big batch's: same weights up to float32
-        # rounding of 1/n (1e-6 relative covers the two divisions and the casts)
-        assert float(np.max(np.abs(ours - big))) <= 1e-6 / n
-        # the logged losses: mean of means (4 + 1) / 2 = 2.5 vs the token mean
-        assert abs(mom_loss - (SHORT_LOSS + LONG_LOSS) / 2) <= 1e-6
-        assert abs(our_loss - big_loss) <= 1e-6 * big_loss  # float32 sum of ~1000 numbers
-        print()
-
+        part_window(window, n_short, n_long)
     print("A short-sample token weighs 100x a long-sample token under the mean of")
     print("means (1/20 vs 1/2000); the big batch and jaxaccum weigh every token 1/1010.")
     return 0

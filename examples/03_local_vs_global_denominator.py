@@ -81,20 +81,9 @@ def window_weights(params, masks):
     return local, forgot, -updates  # SGD(1): minus the update is the window gradient
 
 
-def main() -> int:
-    use_cpu_devices(R)
-    mesh = jax.make_mesh((R,), (AXIS,), devices=jax.devices()[:R])
-    run = jax.jit(jax.shard_map(window_weights, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))
-    masks = jax.device_put(layout(), NamedSharding(mesh, P(AXIS)))  # one [K, N] slice per device
-    params = np.ones(N, np.float32)  # every token loss 1: the gradient is what matters
-    local, forgot, ours = (np.asarray(x) for x in run(params, masks))
+def part_device_weights(local: np.ndarray, forgot: np.ndarray, ours: np.ndarray) -> None:
+    """The weight of one token on each device, per loop, against the big batch's 1/N."""
     big = 1.0 / N
-
-    print("Lesson 3: local vs global denominator")
-    print(
-        f"R={R} devices x k={K} micro-batches; valid tokens per device:"
-        f" {[sum(t) for t in TOKENS]} (N = {N})\n"
-    )
     print(f"weight of one token on each device (big batch: {fraction(big)} everywhere)")
     print(
         f"  {'device':>6} {'tokens':>6} | {'local denominator':>17} {'x big':>6} |"
@@ -125,6 +114,11 @@ def main() -> int:
         assert is_one_over(float(local[t]), R * n_r)
         assert is_one_over(float(forgot[t]), R * N)
         assert is_one_over(float(ours[t]), N)
+
+
+def part_totals(local: np.ndarray, forgot: np.ndarray, ours: np.ndarray) -> None:
+    """The weights of all the window's tokens added up: 1 for the big batch."""
+    big = 1.0 / N
     # jaxaccum equals the big batch for every token, to float32 rounding of 1/N
     assert np.max(np.abs(ours - big)) <= 1e-6 * big
     total = lambda w: float(np.sum(w))  # the weights of all tokens add up to 1 in the big batch
@@ -141,6 +135,23 @@ def main() -> int:
     # float32 sums of 1100 weights: 1e-5 absolute
     assert abs(total(local) - 3 / 4) <= 1e-5
     assert abs(total(forgot) - 1.0 / R) <= 1e-5 and abs(total(ours) - 1.0) <= 1e-5
+
+
+def main() -> int:
+    use_cpu_devices(R)
+    mesh = jax.make_mesh((R,), (AXIS,), devices=jax.devices()[:R])
+    run = jax.jit(jax.shard_map(window_weights, mesh=mesh, in_specs=(P(), P(AXIS)), out_specs=P()))
+    masks = jax.device_put(layout(), NamedSharding(mesh, P(AXIS)))  # one [K, N] slice per device
+    params = np.ones(N, np.float32)  # every token loss 1: the gradient is what matters
+    local, forgot, ours = (np.asarray(x) for x in run(params, masks))
+
+    print("Lesson 3: local vs global denominator")
+    print(
+        f"R={R} devices x k={K} micro-batches; valid tokens per device:"
+        f" {[sum(t) for t in TOKENS]} (N = {N})\n"
+    )
+    part_device_weights(local, forgot, ours)
+    part_totals(local, forgot, ours)
     print("(local: the empty device still counts in DDP's mean, so 3 of 4 quarters remain)")
     print(
         f"A token on the {HEADLINE['tokens_0']}-token device weighs {HEADLINE['local_weight_0']}"

@@ -58,16 +58,9 @@ def fixed_divisor_gradient(a_window: jax.Array) -> jax.Array:
     return sum(micro_batch_grad(jnp.float32(1.0), a) for a in a_window)
 
 
-def main() -> int:
-    a = epoch()
-    windows = [range(0, 4), range(4, 8), range(8, 10)]
-    print("Lesson 4: the tail window")
-    print(
-        f"epoch of {MICRO_BATCHES} micro-batches x {TOKENS} tokens, k={K}:"
-        f" windows of {[len(w) for w in windows]} micro-batches\n"
-    )
-
-    HEADLINE.update(micro_batches=f"{MICRO_BATCHES}", tokens_per_micro_batch=f"{TOKENS}")
+def part_end_window(a: np.ndarray, windows: list[range]) -> tuple[float, float]:
+    """Each window's gradient: jaxaccum (end_window on the epoch's last micro-batch) and the
+    fixed divisor, against the big batch. Returns the tail's two ratios to it."""
     w, state = jnp.float32(1.0), jax.jit(TX.init)(jnp.float32(1.0))
     print(
         f"{'window':>6} {'micro-batches':>13} {'tokens':>6} | {'big batch':>9} {'jaxaccum':>9}"
@@ -100,9 +93,11 @@ def main() -> int:
         # 8-token micro-batches: their mean of means is the big batch's): the tail 2 / 4
         assert abs(fixed / big - len(window) / K) <= 1e-6
 
-    tail_fixed, tail_ours = fixed / big, ours / big  # the last window: the tail
+    return fixed / big, ours / big  # the last window: the tail
 
-    # The same epoch without end_window: the tail stays open.
+
+def part_open_tail(a: np.ndarray) -> None:
+    """The same epoch without end_window: the tail stays open, and the next epoch closes it."""
     w, state = jnp.float32(1.0), jax.jit(TX.init)(jnp.float32(1.0))
     for m in range(MICRO_BATCHES):
         w, state, _ = micro_step(w, state, a[m], jnp.asarray(False))
@@ -129,6 +124,19 @@ def main() -> int:
     assert (updates, pending) == (2, 2) and abs(
         float(grad) - float(np.mean(mixed))
     ) <= 1e-6  # float32 mean of 32
+
+
+def main() -> int:
+    a = epoch()
+    windows = [range(0, 4), range(4, 8), range(8, 10)]
+    print("Lesson 4: the tail window")
+    print(
+        f"epoch of {MICRO_BATCHES} micro-batches x {TOKENS} tokens, k={K}:"
+        f" windows of {[len(w) for w in windows]} micro-batches\n"
+    )
+    HEADLINE.update(micro_batches=f"{MICRO_BATCHES}", tokens_per_micro_batch=f"{TOKENS}")
+    tail_fixed, tail_ours = part_end_window(a, windows)
+    part_open_tail(a)
     print(
         f"The fixed divisor gives the tail window {tail_fixed:.2f} of its gradient;"
         f" end_window=True gives {tail_ours:.2f}."

@@ -140,6 +140,63 @@ def part_empty() -> None:
     assert abs(float(records[1].loss) - 5.0) <= 1e-6 and abs(w - 0.5) <= 1e-6
 
 
+def _loss_scale_windows(tx, micro_step) -> tuple:
+    """Four windows of two micro-batches from w = 1, printed as a table. Returns the final
+    state, per window (its scale, applied, the next scale), and each applied window's
+    gradient norm (as printed)."""
+    print(
+        f"   {'window':>6} {'scale':>7} {'scaled grad, float32':>21} {'applied':>7}"
+        f" {'reason':>9} {'grad_norm':>11} {'w':>8} {'next scale':>10}"
+    )
+    w, state, history = jnp.float16(1.0), jax.jit(tx.init)(jnp.float16(1.0)), []
+    applied_norms = {}  # window (1-based) -> its unscaled gradient, as printed
+    for window in range(4):
+        scale = float(jaxaccum.loss_scale(state))
+        for _ in range(2):
+            w_before = float(w)
+            w, state, grad = micro_step(w, state)
+        r = jax.device_get(jaxaccum.window_metrics(state))
+        applied = not bool(r.skipped)
+        history.append((scale, applied, float(r.loss_scale)))
+        print(
+            f"   {window + 1:>6} {scale:>7.0f} {float(grad):>21} {applied!s:>7}"
+            f" {jaxaccum.SkipReason(int(r.skip_reason)).name.lower():>9} {float(r.grad_norm):>11.4f}"
+            f" {float(w):>8.4f} {float(r.loss_scale):>10.0f}"
+        )
+        if applied:  # unscaled once: the float32 big-batch gradient (w - y), to fp16 rounding
+            applied_norms[window + 1] = f"{float(r.grad_norm):.4f}"
+            assert abs(float(r.grad_norm) - (w_before + 0.5)) <= 1e-3  # fp16: 11-bit mantissa
+    return state, history, applied_norms
+
+
+def _export_loss_scale(history, applied_norms, token_grad, tokens, growth_interval) -> None:
+    """The fp16 part's numbers for the docs (``HEADLINE``), from the windows it ran."""
+    fp16_max = float(np.finfo(np.float16).max)
+    skipped = [i + 1 for i, (_, applied, _) in enumerate(history) if not applied]
+    first, second = applied_norms
+    per_scale = token_grad  # the fp16 backward's gradient over the scale: the mean's
+    whole = {  # printed as integers
+        "fp16_max": fp16_max,
+        "tokens_per_micro_batch": tokens,
+        "init_scale": history[0][0],
+        "overflowing_backward": per_scale * history[0][0],
+        "overflow_window": skipped[0],
+        "backoff_scale": history[0][2],
+        "fitting_backward": per_scale * history[0][2],
+        "first_applied_window": first,
+        "second_applied_window": second,
+        "growth_interval": growth_interval,
+        "grown_scale": history[second - 1][2],
+        "overflow_again_window": skipped[1],
+    }
+    HEADLINE.update({name: f"{value:.0f}" for name, value in whole.items()})
+    HEADLINE.update(
+        token_gradient=f"{token_grad:.2f}",
+        first_applied_gradient=applied_norms[first],
+        second_applied_gradient=applied_norms[second],
+    )
+
+
 def part_loss_scale() -> None:
     """fp16: w and the prediction in float16, the loss summed in float32 (like autocast)."""
     scaling = jaxaccum.DynamicLossScale(init_scale=2.0**16, growth_interval=2)
@@ -163,28 +220,7 @@ def part_loss_scale() -> None:
         f" {float(x[0]) - float(y):.2f} each at w = 1, k=2, SGD lr {LR},"
         f" growth_interval={scaling.growth_interval}"
     )
-    print(
-        f"   {'window':>6} {'scale':>7} {'scaled grad, float32':>21} {'applied':>7}"
-        f" {'reason':>9} {'grad_norm':>11} {'w':>8} {'next scale':>10}"
-    )
-    w, state, history = jnp.float16(1.0), jax.jit(tx.init)(jnp.float16(1.0)), []
-    applied_norms = {}  # window (1-based) -> its unscaled gradient, as printed
-    for window in range(4):
-        scale = float(jaxaccum.loss_scale(state))
-        for _ in range(2):
-            w_before = float(w)
-            w, state, grad = micro_step(w, state)
-        r = jax.device_get(jaxaccum.window_metrics(state))
-        applied = not bool(r.skipped)
-        history.append((scale, applied, float(r.loss_scale)))
-        print(
-            f"   {window + 1:>6} {scale:>7.0f} {float(grad):>21} {applied!s:>7}"
-            f" {jaxaccum.SkipReason(int(r.skip_reason)).name.lower():>9} {float(r.grad_norm):>11.4f}"
-            f" {float(w):>8.4f} {float(r.loss_scale):>10.0f}"
-        )
-        if applied:  # unscaled once: the float32 big-batch gradient (w - y), to fp16 rounding
-            applied_norms[window + 1] = f"{float(r.grad_norm):.4f}"
-            assert abs(float(r.grad_norm) - (w_before + 0.5)) <= 1e-3  # fp16: 11-bit mantissa
+    state, history, applied_norms = _loss_scale_windows(tx, micro_step)
     # the fp16 backward pass carries scale x the micro-batch's MEAN loss (GradScaler's
     # size): 1.5 * 2^16 = 98304 > 65504 (fp16 max): inf; at 2^15: 49152 fits
     assert history == [
@@ -194,36 +230,14 @@ def part_loss_scale() -> None:
         (65536.0, False, 32768.0),
     ]
     assert int(state.last_window.update_id) == 2 and int(state.last_window.skip_count) == 2
-    fp16_max = float(np.finfo(np.float16).max)
     token_grad = float(x[0]) - float(y)  # (w x - y) x at w = 1
-    skipped = [i + 1 for i, (_, applied, _) in enumerate(history) if not applied]
-    first, second = applied_norms
-    per_scale = token_grad  # the fp16 backward's gradient over the scale: the mean's
-    whole = {  # printed as integers
-        "fp16_max": fp16_max,
-        "tokens_per_micro_batch": x.size,
-        "init_scale": history[0][0],
-        "overflowing_backward": per_scale * history[0][0],
-        "overflow_window": skipped[0],
-        "backoff_scale": history[0][2],
-        "fitting_backward": per_scale * history[0][2],
-        "first_applied_window": first,
-        "second_applied_window": second,
-        "growth_interval": scaling.growth_interval,
-        "grown_scale": history[second - 1][2],
-        "overflow_again_window": skipped[1],
-    }
-    HEADLINE.update({name: f"{value:.0f}" for name, value in whole.items()})
-    HEADLINE.update(
-        token_gradient=f"{token_grad:.2f}",
-        first_applied_gradient=applied_norms[first],
-        second_applied_gradient=applied_norms[second],
-    )
+    _export_loss_scale(history, applied_norms, token_grad, x.size, scaling.growth_interval)
+    fp16_max = float(np.finfo(np.float16).max)
     init, backoff = history[0][0], history[0][2]
-    print(
+    print(  # the fp16 backward's gradient over the scale: the mean loss's
         f"   fp16 max {fp16_max:.0f}: the backward pass carries the mean loss's {token_grad:.2f}"
-        f" x {init:.0f} = {per_scale * init:.0f}: overflows; x {backoff:.0f}"
-        f" = {per_scale * backoff:.0f} fits (the sum's gradient, x {x.size} tokens, in float32)"
+        f" x {init:.0f} = {token_grad * init:.0f}: overflows; x {backoff:.0f}"
+        f" = {token_grad * backoff:.0f} fits (the sum's gradient, x {x.size} tokens, in float32)"
     )
     print(
         f"   an overflow at scale {init:.0f} skips the window and halves the scale;"

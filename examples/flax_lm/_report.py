@@ -1,10 +1,17 @@
-"""``train.py``'s output: the log line of an update, the summary table, the plot."""
+"""``train.py``'s output: the log line of an update, the distances and the summary table,
+the plot."""
 
 from __future__ import annotations
 
 import pathlib
 
 import numpy as np
+
+
+def distances(a: list[np.ndarray], b: list[np.ndarray]) -> tuple[float, float]:
+    """The largest ``|a - b|`` and the L2 norm of ``a - b``, in float64."""
+    diff = np.concatenate([(x.astype(np.float64) - y).ravel() for x, y in zip(a, b, strict=True)])
+    return float(np.abs(diff).max()), float(np.linalg.norm(diff))
 
 
 def log_line(record: dict, s) -> str:

@@ -38,7 +38,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _report import log_line, plot, summary  # noqa: E402  (examples/flax_lm/_report.py)
+from _report import distances, log_line, plot, summary  # noqa: E402  (examples/flax_lm/_report.py)
 from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 from tqdm import tqdm  # noqa: E402
@@ -153,17 +153,36 @@ def params_of(model) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
 
 
-def distances(a: list[np.ndarray], b: list[np.ndarray]) -> tuple[float, float]:
-    """The largest ``|a - b|`` and the L2 norm of ``a - b``, in float64."""
-    diff = [x.astype(np.float64) - y for x, y in zip(a, b, strict=True)]
-    return max(float(np.abs(d).max()) for d in diff), float(
-        np.sqrt(sum(np.sum(d**2) for d in diff))
-    )
-
-
 def micro_batch(window: tuple[np.ndarray, np.ndarray], m: int) -> list[np.ndarray]:
     """Micro-batch ``m`` of every device of a ``[devices, k, mb, T]`` window: one global batch."""
     return [x[:, m].reshape(-1, x.shape[-1]) for x in window]
+
+
+def new_pipelines(s: Settings, mesh, names: tuple[str, ...]) -> tuple[dict, dict]:
+    """The same model for each pipeline, and its optimizer: the big batch's AdamW, jaxaccum's
+    on the mesh (clipping once per window), optax.MultiSteps' (clipping each micro-batch's)."""
+    models = {name: new_model(s.seed) for name in names}
+    clipped = optax.chain(optax.clip_by_global_norm(MAX_GRAD_NORM), adamw(s))
+    accumulate = jaxaccum.multi_steps(adamw(s), s.k, axis_name="data", max_grad_norm=MAX_GRAD_NORM)
+    txs = {"big": adamw(s), "jaxaccum": accumulate, "multisteps": optax.MultiSteps(clipped, s.k)}
+    with jax.set_mesh(mesh):  # jaxaccum's params replicated over the mesh, its state laid out on it
+        nnx.update(models["jaxaccum"], jax.device_put(nnx.state(models["jaxaccum"]), P()))
+        optimizers = {"jaxaccum": new_optimizer(models["jaxaccum"], txs["jaxaccum"])}
+    optimizers |= {
+        name: new_optimizer(models[name], txs[name]) for name in names if name not in optimizers
+    }
+    return models, optimizers
+
+
+def multisteps_window(model, optimizer, window) -> tuple[float, float]:
+    """optax.MultiSteps over one window, each micro-batch one global batch (no mesh): its
+    window loss as a token mean, and what it would log (the mean of its micro-batch means)."""
+    sums, counts, means = 0.0, 0.0, []
+    for m in range(window[0].shape[1]):
+        mean, loss_sum, num_items = multisteps_micro_step(model, optimizer, *micro_batch(window, m))
+        sums, counts = sums + float(loss_sum), counts + float(num_items)
+        means.append(float(mean))
+    return sums / counts, float(np.mean(means))
 
 
 def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -> dict:
@@ -186,16 +205,7 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
     mesh = jax.make_mesh((DEVICES,), ("data",))  # Explicit axes: JAX's default
 
     names = ("big", "jaxaccum") + (("multisteps",) if with_multisteps else ())
-    models = {name: new_model(s.seed) for name in names}
-    clipped = optax.chain(optax.clip_by_global_norm(MAX_GRAD_NORM), adamw(s))
-    accumulate = jaxaccum.multi_steps(adamw(s), s.k, axis_name="data", max_grad_norm=MAX_GRAD_NORM)
-    txs = {"big": adamw(s), "jaxaccum": accumulate, "multisteps": optax.MultiSteps(clipped, s.k)}
-    with jax.set_mesh(mesh):  # jaxaccum's params replicated over the mesh, its state laid out on it
-        nnx.update(models["jaxaccum"], jax.device_put(nnx.state(models["jaxaccum"]), P()))
-        optimizers = {"jaxaccum": new_optimizer(models["jaxaccum"], txs["jaxaccum"])}
-    optimizers |= {
-        name: new_optimizer(models[name], txs[name]) for name in names if name not in optimizers
-    }
+    models, optimizers = new_pipelines(s, mesh, names)
     history = {key: [] for key in ("big", "multisteps_logged", "lr")}
     history |= {f"{m}{name}": [] for m in ("", "max_", "rel_") for name in names[1:]}
     initial = params_of(models["big"])
@@ -216,16 +226,11 @@ def train(s: Settings, *, with_multisteps: bool = True, progress: bool = True) -
         tqdm.write(log_line(record, s), file=sys.stdout)
 
         if with_multisteps:
-            sums, counts, means = 0.0, 0.0, []
-            for m in range(s.k):
-                batch = micro_batch(windows[u], m)
-                mean, loss_sum, num_items = multisteps_micro_step(
-                    models["multisteps"], optimizers["multisteps"], *batch
-                )
-                sums, counts = sums + float(loss_sum), counts + float(num_items)
-                means.append(float(mean))
-            history["multisteps"].append(sums / counts)  # its window loss as a token mean
-            history["multisteps_logged"].append(float(np.mean(means)))  # what it would log
+            loss, logged = multisteps_window(
+                models["multisteps"], optimizers["multisteps"], windows[u]
+            )
+            history["multisteps"].append(loss)
+            history["multisteps_logged"].append(logged)
 
         reference = params_of(models["big"])
         moved = distances(reference, initial)[1]
