@@ -132,12 +132,16 @@ def _window_sum_paths(keys: list[tuple[str, ...]]) -> set[tuple[str, ...]]:
 def _same(value: np.ndarray, target: Any, where: str) -> np.ndarray:
     if value.shape != tuple(target.shape) or value.dtype != target.dtype:
         copies = value.ndim == target.ndim > 0 and value.shape[1:] == tuple(target.shape[1:])
-        hint = (
-            " A `pmap` state holds a copy of every leaf per device: it restores onto the"
-            " same number of devices only."
-            if copies and value.dtype == target.dtype
-            else ""
-        )
+        if value.dtype != target.dtype:
+            hint = ""
+        elif copies:  # a leading axis apart: a pmap state's devices, or another model's size
+            hint = (
+                " Either `saved` holds another model's state (other parameter shapes), or it"
+                " is a `pmap` state (a copy of every leaf per device), which restores onto"
+                " the same number of devices only."
+            )
+        else:
+            hint = " Is `saved` the state of the same model and optimizer?"
         raise ValueError(
             f"restore_state: leaf {where} was saved as {value.dtype}{list(value.shape)};"
             f" `like` has {target.dtype}{list(target.shape)}.{hint}"

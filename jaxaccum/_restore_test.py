@@ -102,6 +102,19 @@ def test_a_pmap_state_onto_another_device_count_is_refused_with_the_reason():
         jaxaccum.restore_state(jax.device_get(state(4)), like=state(2))
 
 
+def test_a_state_of_other_parameter_shapes_is_refused_naming_both_causes():
+    # a 1-D leaf three long where two were saved: another model, or a pmap state's devices
+    # (a leading axis apart: both read alike); a 2-D one with another last axis: no pmap hint
+    tx = jaxaccum.multi_steps(optax.adam(1e-3), 2)
+    saved = jax.device_get(tx.init({"w": jnp.zeros(2), "m": jnp.zeros((2, 2))}))
+    like = tx.init({"w": jnp.zeros(3), "m": jnp.zeros((2, 2))})
+    with pytest.raises(ValueError, match=r"mu\['w'\] was saved as float32\[2\].*another model"):
+        jaxaccum.restore_state(saved, like=like)
+    like = tx.init({"w": jnp.zeros(2), "m": jnp.zeros((2, 3))})
+    with pytest.raises(ValueError, match=r"float32\[2, 2\].*same model and optimizer\?$"):
+        jaxaccum.restore_state(saved, like=like)
+
+
 @pytest.mark.parametrize("saved_as", ["key", "key_data"])
 def test_a_train_state_with_a_prng_key_and_a_python_step_restores_onto_another_mesh(saved_as):
     # a whole train state: a module's dropout stream (a typed key) and TrainState.create's
