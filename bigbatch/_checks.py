@@ -197,10 +197,12 @@ def check_sums(
         ("loss_sum", float(loss_sum), row_losses, LOSS_RTOL),
     ):
         if not abs(whole - parts.sum()) <= rtol * max(np.abs(parts).sum(), 1e-30):
+            random = ", and the same loss on every call (no dropout, functional or module)"
             raise ValueError(
                 f"loss_fn: expected a summed loss whose {what} adds up over rows; the batch gives"
                 f" {whole:.6g}, its rows {parts.sum():.6g} in all: return a sum and its items (e.g."
                 " jaxaccum.losses.causal_lm, torch_ref.causal_lm_loss_sum), not a mean"
+                + (random if what == "loss_sum" else "")
             )
 
 

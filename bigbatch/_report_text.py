@@ -57,6 +57,12 @@ def _threshold(report: AuditReport) -> str:
     return f"not the max_grad_norm {report.max_grad_norm:g} you passed"
 
 
+LOW_PRECISION_RESIDUAL = (
+    ", or bfloat16 rounding (a residual of a few 1e-3: run the audit in float32, without"
+    " autocast; the weighting is the same code)"
+)
+
+
 def headline(report: AuditReport) -> str:
     """The sentence a person reads first."""
     w = report.weights[~np.isnan(report.weights)]
@@ -65,9 +71,12 @@ def headline(report: AuditReport) -> str:
     if not report.moved:
         return "your loop did not change the parameters (did its window close?)"
     if report.residual > report.residual_tolerance:
+        rounding = (
+            LOW_PRECISION_RESIDUAL if report.residual < 10 * report.residual_tolerance else ""
+        )
         return (
             f"your update is not a reweighting of the micro-batches' gradients (residual"
-            f" {report.residual:.1e}): not plain SGD on an accumulated gradient"
+            f" {report.residual:.1e}): not plain SGD on an accumulated gradient{rounding}"
         )
     if report.verdict == EXACT and report.clipped_once:
         said = _threshold(report)
@@ -82,7 +91,11 @@ def headline(report: AuditReport) -> str:
             f" {report.max_weight_error:.1e}){unclipped}"
         )
     if np.ptp(w) <= report.weight_tolerance * np.max(np.abs(w)):
-        return f"your loop weighs every item at {_times(float(w[0]))} the big batch"
+        twice = abs(float(w[0]) - 2.0) <= report.weight_tolerance * 2.0
+        hint = " (every gradient added twice: the last update's still in, not zeroed?)"
+        return f"your loop weighs every item at {_times(float(w[0]))} the big batch" + (
+            hint if twice else ""
+        )
     said = [
         f"{_cell_name(report, r, m)} at {_times(float(report.weights[r, m]))}"
         for r, m in _extremes(report)

@@ -23,9 +23,11 @@ import bigbatch
 BIG_BATCH_RTOL = 1e-4
 """The default tolerance on the relative difference, for float32 parameters and gradients:
 the same per-item gradients added in another order (the window's partial sums, then the
-devices) differ from the big batch's by rounding, measured 7.7e-6 to 2.8e-5 on a window of
-925 tokens on 8 devices (``jaxaccum/_big_batch_check_test.py``); a bug moves the update by a few percent at least
-(a uniform scale error by a factor of R or k). Widen it for bf16 or fp16 compute."""
+devices) differ from the big batch's by rounding, measured ~1e-7 on a window of 925 tokens
+on 8 devices, and up to 2.8e-5 read back as new minus old parameters at a learning rate of
+0.1 (``jaxaccum/_big_batch_check_test.py``; ``BigBatchCheck.readback``); a bug moves the
+update by a few percent at least (a uniform scale error by a factor of R or k). Widen it for
+bf16 or fp16 compute."""
 
 
 class BigBatchCheck(NamedTuple):
@@ -41,6 +43,10 @@ class BigBatchCheck(NamedTuple):
       window_items: the window's items (``num_items`` over all its rows).
       grad_norm: the big batch's gradient norm, before clipping.
       big_batch_update: the big batch's SGD update, a pytree like ``params``.
+      readback: how far an update read back as new minus old parameters can be off by
+        the new parameters' rounding alone, relative to the big batch's update (half an
+        ulp of each parameter, L2): above ``rtol``, such an update cannot pass; the
+        update your optimizer returned has no such error.
     """
 
     relative_error: float
@@ -50,13 +56,21 @@ class BigBatchCheck(NamedTuple):
     window_items: float
     grad_norm: float
     big_batch_update: Any
+    readback: float
 
     def __str__(self) -> str:
         head = "PASSED" if self.passed else "FAILED"
+        unreadable = (
+            f"; new minus old parameters read this update only to {self.readback:.1e}: pass"
+            " the update your optimizer returned, or use a larger learning_rate"
+            if self.readback > self.rtol and not self.passed
+            else ""
+        )
         return (
             f"{head}: your update is {self.relative_error:.2e} (relative) from the big batch's"
             f" (rtol {self.rtol:.0e}); along its direction it is {self.scale:.4g}x;"
             f" {self.window_items:g} items, gradient norm {self.grad_norm:.4g} before clipping"
+            + unreadable
         )
 
 
@@ -133,7 +147,22 @@ def check_big_batch(
         )
     relative = float(np.linalg.norm(ours - theirs)) / reference
     scale = float(ours @ theirs) / reference**2
-    return BigBatchCheck(relative, rtol, relative <= rtol, scale, window_items, grad_norm, big)
+    readback = _rounding(params) / reference
+    return BigBatchCheck(
+        relative, rtol, relative <= rtol, scale, window_items, grad_norm, big, readback
+    )
+
+
+def _rounding(params: Any) -> float:
+    """Half an ulp of each parameter (``eps / 2`` of its value: at most one ulp), L2 over
+    all: the rounding of the parameters an update lands on (about as large: it rounds alike)."""
+    total = 0.0
+    for leaf in jax.tree.leaves(params):
+        value = np.asarray(leaf)
+        if jax.numpy.issubdtype(value.dtype, jax.numpy.inexact):
+            half_ulp = float(jax.numpy.finfo(value.dtype).eps) / 2
+            total += float(np.sum(np.square(np.abs(value.astype(np.float64)) * half_ulp)))
+    return math.sqrt(total)
 
 
 def _check(microbatches: Sequence[Any], learning_rate: float, rtol: float) -> None:

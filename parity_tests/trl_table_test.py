@@ -55,3 +55,23 @@ def test_the_forms_by_hand():
     assert set(trl_prediction.FORMS) == {*trl_prediction.LOSS_TYPES, "entropy"}
     with pytest.raises(ValueError, match="loss_type: expected one of grpo, bnpo"):
         trl_prediction.token_weights("ppo", shape)
+
+
+@pytest.mark.slow  # TRL on 2 gloo ranks, started from a script: about 20 s
+def test_the_docs_example_runs_as_a_script(tmp_path):
+    # as a user runs it: saved to a file, `python example.py` (the ranks import the file)
+    import subprocess
+    import sys
+
+    from jaxaccum._docs_test import code_blocks
+
+    pytest.importorskip("datasets")
+    pytest.importorskip("trl")
+    (block,) = code_blocks(trl_table.DOC, "test: script")
+    (tmp_path / "example.py").write_text(block)
+    script = subprocess.run(
+        [sys.executable, str(tmp_path / "example.py")], capture_output=True, text=True,
+        timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert script.returncode == 0, script.stderr[-3000:]
+    assert "INVARIANT" in script.stdout and "NOT INVARIANT" not in script.stdout, script.stdout

@@ -1,8 +1,9 @@
 """Your loop for one update of the audit: here on a copy of the model, or on gloo ranks.
 
-`torch_ref.audit.audit_window` and `audit_invariance` run ``window_fn`` once per window
-they audit, with the ``torch.optim.SGD`` the audit hands over; on ``R > 1`` ranks each rank
-gets its cells (`bigbatch.CellLayout`: rank ``r`` the cells of device ``r``), the model
+`torch_ref.audit.audit_window` and `audit_invariance` run ``window_fn`` twice per window
+they audit, with the ``torch.optim.SGD`` the audit hands over, and audit the second run
+from the same parameters (what the first left, unzeroed gradients, goes into it); on
+``R > 1`` ranks each rank gets its cells (`bigbatch.CellLayout`: rank ``r`` the cells of device ``r``), the model
 under ``DistributedDataParallel``, and the ranks must end with one set of parameters. The
 Hugging Face and TRL audits run their trainers on the same ranks (`torch_ref._trainer_runs`).
 """
@@ -32,8 +33,17 @@ def _microbatches(batch: Batch, layout: bigbatch.CellLayout, rank: int) -> list[
 
 
 def _step(window_fn: WindowFn, model: nn.Module, microbatches: list[Batch], lr: float) -> None:
-    """Your loop for one update, with the SGD the audit hands over."""
-    window_fn(model, torch.optim.SGD(model.parameters(), lr=lr), microbatches)
+    """Your loop for the audited update, with the SGD the audit hands over, as a training loop
+    runs it: after an update of its own. That first update's parameter change is undone, and
+    what it left behind stays (the gradients, if your loop does not zero them: the audited
+    update then adds them in)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    start = [p.detach().clone() for p in model.parameters()]
+    window_fn(model, optimizer, microbatches)
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), start, strict=True):
+            p.copy_(value)
+    window_fn(model, optimizer, microbatches)
 
 
 def _window_here(

@@ -61,7 +61,9 @@ def audit_hf_trainer(
     momentum), ``lr_scheduler_type="constant"``, ``warmup_steps=0``,
     ``weight_decay=0.0``, ``label_smoothing_factor=0.0``, ``neftune_noise_alpha=None``,
     ``train_sampling_strategy="sequential"`` (no shuffling), ``gradient_accumulation_steps=k``, ``per_device_train_batch_size``
-    (the rows of one cell), ``max_steps=1`` (one optimizer step). It defaults
+    (the rows of one cell), ``max_steps=1`` (one optimizer step), ``bf16=False`` and
+    ``fp16=False`` (float32: low precision's rounding would hide the weighting, which the
+    Trainer computes by the same code in every precision). It defaults
     ``max_grad_norm=0.0`` (no clipping: a ``max_grad_norm > 0`` of yours is
     the Trainer's clip of the window, and the report's ``clip_kept`` says
     whether the update is clipped to it), ``learning_rate=1.0``,
@@ -155,13 +157,17 @@ def _trainer_settings(training_args: dict[str, Any], k: int, rows_per_cell: int)
         "gradient_accumulation_steps": k,
         "per_device_train_batch_size": rows_per_cell,
         "max_steps": 1,
+        # bf16 or fp16 rounding (a fit residual ~3e-3) hides the weighting, which the
+        # Trainer computes by the same code in float32
+        "bf16": False,
+        "fp16": False,
     }
     for name, value in forced.items():
         if name in training_args and training_args[name] != value:
             raise ValueError(
                 f"training_args: the audit sets {name}={value!r} itself (SGD, one step, a constant"
-                f" learning rate, no noise or shuffling), got"
-                f" {name}={training_args[name]!r}"
+                " learning rate, no noise or shuffling, float32: the Trainer weighs the window's"
+                f" items by the same code in every precision), got {name}={training_args[name]!r}"
             )
     defaults = {
         "max_grad_norm": 0.0,

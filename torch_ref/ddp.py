@@ -262,7 +262,9 @@ def _stderr_tails(out_dir: str, world_size: int) -> str:
             sections.append(
                 f"\n\n-- rank {rank}'s stderr: none, it ended before torch_ref.ddp's code ran in"
                 " it (while multiprocessing started it: its traceback, if any, is in this"
-                " process's stderr) --"
+                " process's stderr; a script that starts ranks from its top level needs"
+                " `if __name__ == '__main__':` around that code, since each rank imports the"
+                " script again) --"
             )
             continue
         lines = _read(path).splitlines()

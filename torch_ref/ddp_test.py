@@ -324,6 +324,19 @@ def test_a_rank_that_dies_before_fn_is_explained(tmp_path):
     assert "RuntimeError: this program refuses to be imported in a rank" in script.stderr
 
 
+def test_a_script_that_starts_ranks_from_its_top_level_is_told_the_guard(tmp_path):
+    # no `if __name__ == "__main__":`: each rank imports the script, which starts ranks again
+    (tmp_path / "unguarded.py").write_text(
+        "from torch_ref import ddp\nddp.run(2, ddp.one_cpu_thread, timeout_s=60)\n"
+    )
+    script = subprocess.run(
+        [sys.executable, str(tmp_path / "unguarded.py")], capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert script.returncode != 0
+    assert "needs `if __name__ == '__main__':` around that code" in script.stderr, script.stderr
+
+
 # A rank's last steps: a DDP run, then the records gathered (the last collective), in a fresh
 # interpreter that has not imported torch._dynamo (torchrun's ranks have not). A thread joined
 # stays listed in /proc until reaped: the names are read again for up to 10 s, until none is
