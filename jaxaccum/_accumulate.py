@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from jaxaccum import _sharding
 from jaxaccum._check_batch import ACCUMULATE, batch_split
-from jaxaccum._grad import batch_only_mesh, gather, nnx_of
+from jaxaccum._explicit_grad import batch_only_mesh, gather
+from jaxaccum._grad import nnx_of
 from jaxaccum._grad import value_and_grad as jaxaccum_value_and_grad
 from jaxaccum._normalize import normalize_window
 from jaxaccum._sharding import Placement

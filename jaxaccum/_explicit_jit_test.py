@@ -24,7 +24,9 @@ from testkit import (
     big_batch,
     big_batch_last_window,
     big_batch_run,
+    lookup,
     max_abs_diff,
+    mean_loss,
     nnx_micro_step,
     skewed_windows,
     standard,
@@ -321,6 +323,98 @@ def test_tensor_parallel_on_a_2d_mesh_reduces_over_data_once_per_window():
     # axis's forward/backward all-reduces are activation-sized (rows x features)
     reductions = gradient_reductions(hlo, tree_bytes(mlp_params()) // 2)
     assert reductions == {"entry": 0, "loop": 1}, reductions
+
+
+# -- Embedding lookups: one device (jax.make_mesh((1,), ("data",)) on one GPU), and a mesh
+# with a model axis, where the parameters are cast to `reduced` over "data".
+
+
+def embedding_loss(style: str):
+    """The tiny LM's loss with its lookup written ``table[tokens]`` or with the explicit
+    output sharding that plain ``jit`` on an Explicit mesh asks for (``testkit.lookup``)."""
+
+    def loss_fn(params, batch):
+        table, tokens = params["embed"], batch["tokens"]
+        rows = table[tokens] if style == "table[tokens]" else lookup(table, tokens)
+        logits = jnp.tanh(rows) @ params["proj"]
+        return jaxaccum.losses.causal_lm(logits, batch["labels"])
+
+    return loss_fn
+
+
+def sgd_window_update(mesh, loss_fn) -> dict:
+    """One window of SGD(1) on ``mesh`` (batch split over "data"), checked against the big
+    batch: the update is minus the window's gradient (fp32 sums in another order: 1e-5)."""
+    devices = mesh.shape["data"]
+    windows = skewed_windows(WindowSplit(devices, K, 2), 1, seed=3)
+    tx = jaxaccum.multi_steps(optax.sgd(1.0), K, axis_name="data")
+    with jax.set_mesh(mesh):
+        params = jax.device_put(tiny_lm_params(), P())
+        state = tx.init(params)
+
+        @jax.jit
+        def micro_step(params, state, batch):
+            (loss_sum, num_items), grads = jaxaccum.value_and_grad(loss_fn, axis_name="data")(
+                params, batch
+            )
+            updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
+            return updates, state
+
+        for m in range(K):
+            batch = jax.tree.map(lambda x, m=m: x[0, :, m].reshape(-1, x.shape[-1]), windows)
+            updates, state = micro_step(params, state, jax.device_put(batch, P("data")))
+    assert bool(jaxaccum.has_updated(state))
+    whole = jax.tree.map(lambda x: x[0], big_batch(windows))
+    expected = jax.grad(mean_loss(loss_fn))(tiny_lm_params(), whole)
+    for name, g in expected.items():
+        np.testing.assert_allclose(-np.asarray(updates[name]), g, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("style", ["table[tokens]", "out_sharding"])
+def test_a_one_device_mesh_takes_an_embedding_lookup_in_either_style(style):
+    # JAX fails a gather of `reduced` parameters, and its gradient in a one-device manual
+    # shard_map: on one device jaxaccum replicates the batch (free) and declares the
+    # gradient a partial sum
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    sgd_window_update(mesh, embedding_loss(style))
+
+
+def test_the_in_step_scan_on_a_one_device_mesh_takes_an_embedding_lookup():
+    # accumulate_gradients differentiates each micro-batch by the same route: the window's
+    # gradient against the big batch's (fp32 sums in another order: 1e-5)
+    loss_fn = embedding_loss("table[tokens]")
+    windows = skewed_windows(WindowSplit(1, K, 2), 1, seed=3)
+    micro = jax.tree.map(lambda x: x[0, 0], windows)  # [k, rows, seq]: one device's
+    with jax.set_mesh(jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])):
+        params = jax.device_put(tiny_lm_params(), P())
+        fn = jax.jit(partial(jaxaccum.accumulate_gradients, loss_fn, axis_name="data"))
+        grads, _ = fn(params, jax.device_put(micro, P(None, "data")))
+    whole = jax.tree.map(lambda x: x[0], big_batch(windows))
+    expected = jax.grad(mean_loss(loss_fn))(tiny_lm_params(), whole)
+    for name, g in expected.items():
+        np.testing.assert_allclose(np.asarray(grads[name]), g, rtol=1e-5, atol=1e-6)
+
+
+def test_a_mesh_with_a_model_axis_asks_the_lookup_for_its_out_sharding():
+    # plain jit asks it too (a ShardingTypeError); of `reduced` parameters JAX fails with
+    # "Using *pspec is dangerous", which jaxaccum explains
+    mesh = jax.make_mesh((2, 2), ("data", "model"))
+    sgd_window_update(mesh, embedding_loss("out_sharding"))
+    with pytest.raises(ValueError, match=r"cast to `reduced`.*table.at\[tokens\].get\(out_sh"):
+        sgd_window_update(mesh, embedding_loss("table[tokens]"))
+
+
+def test_a_spec_naming_the_batch_axis_in_the_per_device_loss_is_explained():
+    # a batch-only mesh of 4: the loss runs in a shard_map, where "data" is Manual, and JAX
+    # refuses out_sharding=P("data"); the spec of the indices' own type holds there
+    def loss_fn(params, batch):
+        rows = params["embed"].at[batch["tokens"]].get(out_sharding=P("data"))
+        return jaxaccum.losses.causal_lm(jnp.tanh(rows) @ params["proj"], batch["labels"])
+
+    mesh = jax.make_mesh((DEVICES,), ("data",))
+    sgd_window_update(mesh, embedding_loss("out_sharding"))
+    with pytest.raises(ValueError, match=r"a Manual axis.*jax.typeof\(tokens\)"):
+        sgd_window_update(mesh, loss_fn)
 
 
 # -- The in-step scan under plain jit.

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 
 from jaxaccum import _sharding
 from jaxaccum._check_batch import batch_split
+from jaxaccum._explicit_grad import per_device_under_jit
 from jaxaccum._loss_scale import scaled_loss, unscaled_to_sum
-from jaxaccum._sharding import AxisName, Placement
+from jaxaccum._sharding import Placement
 from jaxaccum._streams import is_key, own_streams
 
 
@@ -137,55 +138,9 @@ def _differentiate(objective, params, args, axis_name):
         # cast first, then differentiate: the gradient with respect to the cast
         # parameters is the per-device one (a cast inside would transpose to a sum)
         return grad(jax.lax.pcast(params, axis_name, to="varying"), *args)
-    if where is Placement.EXPLICIT and not batch_only_mesh(axis_name):
-        return grad(to_reduced(params, axis_name), *args)
     if where is Placement.EXPLICIT:
-        return _per_device_under_jit(grad, params, args, axis_name)
+        return per_device_under_jit(grad, params, args, axis_name)
     return grad(params, *args)
-
-
-def _per_device_under_jit(grad, params, args, axis_name):
-    """The gradient of each device's rows, as ``unreduced`` arrays (no collective).
-
-    A ``shard_map`` over the mesh (every axis a batch axis): each device
-    differentiates its own rows with respect to its copy of the parameters, and
-    the gradient and the values leave it as partial sums, ``unreduced``.
-    """
-    sharded = jax.tree.map(lambda p: _sharding.uses(_sharding.spec_of(p), axis_name), params)
-    gathered = jax.tree.map(  # FSDP leaves: all-gathered for the step
-        lambda p, s: gather(p) if s else p, params, sharded
-    )
-
-    def per_device(params, args):
-        grads, (values, extra) = grad(jax.lax.pcast(params, axis_name, to="varying"), *args)
-        partial_sums = jax.tree.map(lambda x: as_unreduced(x, axis_name), (grads, values))
-        return partial_sums, _same_on_every_device(extra, axis_name)
-
-    in_specs = (jax.tree.map(lambda _: jax.P(), params), jax.tree.map(_sharding.spec_of, args))
-    unreduced = jax.P(unreduced=frozenset(_sharding.axes(axis_name)))
-    (grads, values), extra = jax.shard_map(
-        per_device, in_specs=in_specs, out_specs=((unreduced, unreduced), jax.P())
-    )(gathered, args)
-    grads = jax.tree.map(  # FSDP leaves: back to their shards (a reduce-scatter)
-        lambda g, p, s: scatter_like(g, p) if s else g, grads, params, sharded
-    )
-    return grads, (values, extra)
-
-
-def _same_on_every_device(module_state: Any, axis_name: AxisName) -> Any:
-    """The module's non-parameter state leaves each device's ``shard_map`` as one copy:
-    refuses a leaf that each device computed from its own rows."""
-    for path, x in jax.tree_util.tree_flatten_with_path(module_state)[0]:
-        if set(_sharding.axes(axis_name)) & _sharding.varying_axes(x):
-            raise ValueError(
-                f"jaxaccum.value_and_grad: the module's state {jax.tree_util.keystr(path)}"
-                " differs from device to device: each device computed it from its own rows"
-                " (a BatchNorm's batch statistics, say), and the module keeps one copy of"
-                f" it. Compute it over every device's rows (nnx.BatchNorm(...,"
-                f" axis_name={axis_name!r}) averages its statistics with a pmean), or map"
-                " the step with jax.shard_map, whose out_specs can keep a copy per device."
-            )
-    return module_state
 
 
 def _nnx_value_and_grad(nnx, loss_fn, axis_name, model, args, loss_scale):
@@ -214,48 +169,3 @@ def _nnx_value_and_grad(nnx, loss_fn, axis_name, model, args, loss_scale):
     )
     nnx.update(model, new_rest)
     return values, grads
-
-
-# -- Casts and layouts of the parameters and gradients, under jit on an Explicit mesh.
-
-
-def to_reduced(params: Any, axis_name: AxisName) -> Any:
-    """Parameters cast to ``reduced`` over the axis (free: a replicated array already
-    is one), so that their gradients come out ``unreduced``. Leaves sharded over the
-    axis (FSDP) stay as they are."""
-
-    def cast(p):
-        spec = _sharding.spec_of(p)
-        if _sharding.uses(spec, axis_name):
-            return p
-        return jax.reshard(p, _sharding.rebuild(spec, reduced=frozenset(_sharding.axes(axis_name))))
-
-    return jax.tree.map(cast, params)
-
-
-def batch_only_mesh(axis_name: AxisName) -> bool:
-    """Whether every axis of the mesh in context is one the batch is split over.
-
-    A mesh of one device is left out: there is nothing to reduce, and jax 0.10.2
-    fails to lower a gather's gradient inside a one-device manual ``shard_map``.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    return set(mesh.axis_names) <= set(_sharding.axes(axis_name)) and mesh.size > 1
-
-
-def gather(x: jax.Array) -> jax.Array:
-    """``x`` replicated (an all-gather of a sharded array)."""
-    return jax.reshard(x, jax.P(*(None,) * jnp.ndim(x)))
-
-
-def scatter_like(g: jax.Array, param: jax.Array) -> jax.Array:
-    """An unreduced gradient reduced onto ``param``'s shards (a reduce-scatter)."""
-    return jax.reshard(g, _sharding.spec_of(param))
-
-
-def as_unreduced(x: Any, axis_name: AxisName) -> jax.Array:
-    """Inside a manual ``shard_map``: a per-device value declared a partial sum (free)."""
-    x = jnp.asarray(x)
-    if not frozenset(_sharding.axes(axis_name)) <= _sharding.varying_axes(x):
-        x = jax.lax.pcast(x, axis_name, to="varying")  # the same number on every device
-    return jax.lax.pcast(x, axis_name, to="unreduced")
