@@ -134,6 +134,7 @@ def nanogpt_torch(model, optimizer, microbatches) -> None:
         loss_sum, n = loss_sum_on_device(model, mb)
         (loss_sum / max(n, 1) / len(microbatches)).backward()
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def torch_audit(

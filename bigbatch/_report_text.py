@@ -91,11 +91,7 @@ def headline(report: AuditReport) -> str:
             f" {report.max_weight_error:.1e}){unclipped}"
         )
     if np.ptp(w) <= report.weight_tolerance * np.max(np.abs(w)):
-        twice = abs(float(w[0]) - 2.0) <= report.weight_tolerance * 2.0
-        hint = " (every gradient added twice: the last update's still in, not zeroed?)"
-        return f"your loop weighs every item at {_times(float(w[0]))} the big batch" + (
-            hint if twice else ""
-        )
+        return f"your loop weighs every item at {_times(float(w[0]))} the big batch"
     said = [
         f"{_cell_name(report, r, m)} at {_times(float(report.weights[r, m]))}"
         for r, m in _extremes(report)

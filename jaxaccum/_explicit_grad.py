@@ -65,9 +65,9 @@ def _lookup_errors_explained(axis_name: AxisName) -> Iterator[None]:
     """JAX's errors for a lookup by batch-sharded indices on the two routes, with the way
     to write it that holds there and under plain ``jit`` (``P(*jax.typeof(tokens).sharding
     .spec, None)``: the indices' own layout, whatever the route makes of it)."""
-    write = (
-        " Write the lookup as table.at[tokens].get(out_sharding=P(*jax.typeof(tokens)"
-        ".sharding.spec, None)), or nnx.Embed's embed(tokens, out_sharding=...) with that spec."
+    lookup = (
+        " For a lookup: table.at[tokens].get(out_sharding=P(*jax.typeof(tokens).sharding.spec,"
+        " None)), or nnx.Embed's embed(tokens, out_sharding=...) with that spec."
     )
     try:
         yield
@@ -78,13 +78,15 @@ def _lookup_errors_explained(axis_name: AxisName) -> Iterator[None]:
                 f" parameters are cast to `reduced` over {axis_name!r} (their gradients stay"
                 " per-device partial sums), and JAX indexes a reduced array only with an"
                 " explicit output sharding, which plain jit on an Explicit mesh asks of a"
-                " lookup by batch-sharded indices too." + write
+                " lookup by batch-sharded indices too." + lookup
             ) from error
         if "of type Auto or Manual" in str(error):  # a spec naming the batch axis, per device
             raise ValueError(
                 "jaxaccum.value_and_grad: on a mesh whose axes all split the batch, the loss"
                 f" runs per device (a shard_map, where {axis_name!r} is a Manual axis), and a"
-                " PartitionSpec that names it is refused there." + write
+                " PartitionSpec that names it is refused there: use the spec of the operand's"
+                " own type, P(*jax.typeof(x).sharding.spec, ...), which holds there and under"
+                " plain jit." + lookup
             ) from error
         raise
 
@@ -94,18 +96,22 @@ def _on_one_device(grad, params, args, axis_name):
 
     JAX fails the other routes on one device for a gather (an embedding lookup): of
     ``reduced`` parameters ("Using *pspec is dangerous"), and its gradient inside a manual
-    ``shard_map``. So the step's arrays split over the axis are replicated (free on one
-    device: an indexing by them is then unambiguous), the parameters left as they are, and
-    the gradient declared a partial sum (``unreduced``), as the route of ``reduced``
-    parameters hands it over, with the loss and the items replicated; a parameter split
-    over the axis (FSDP) keeps its layout.
+    ``shard_map``. So every array split over the axis is replicated (free on one device:
+    the batch, and an FSDP parameter, as the ``shard_map`` route gathers it; an indexing is
+    then unambiguous), and the gradient is declared a partial sum (``unreduced``), as the
+    route of ``reduced`` parameters hands it over, with the loss and the items replicated;
+    an FSDP parameter's gradient goes back to its layout.
     """
     batch_axes = frozenset(_sharding.axes(axis_name))
     split = lambda x: isinstance(x, jax.Array) and _sharding.uses(_sharding.spec_of(x), axis_name)
     whole = lambda x: jax.reshard(x, jax.P(*(None,) * x.ndim)) if split(x) else x
-    partial_sum = lambda g: g if split(g) else _replicated_as_unreduced(g, batch_axes)
-    grads, (values, extra) = grad(params, *jax.tree.map(whole, args))
-    return jax.tree.map(partial_sum, grads), (values, extra)
+    grads, (values, extra) = grad(jax.tree.map(whole, params), *jax.tree.map(whole, args))
+    grads = jax.tree.map(
+        lambda g, p: scatter_like(g, p) if split(p) else _replicated_as_unreduced(g, batch_axes),
+        grads,
+        params,
+    )
+    return grads, (values, extra)
 
 
 def _replicated_as_unreduced(x: jax.Array, batch_axes: frozenset) -> jax.Array:

@@ -329,6 +329,9 @@ def test_tensor_parallel_on_a_2d_mesh_reduces_over_data_once_per_window():
 # with a model axis, where the parameters are cast to `reduced` over "data".
 
 
+REPLICATED = P()
+
+
 def embedding_loss(style: str):
     """The tiny LM's loss with its lookup written ``table[tokens]`` or with the explicit
     output sharding that plain ``jit`` on an Explicit mesh asks for (``testkit.lookup``)."""
@@ -342,14 +345,15 @@ def embedding_loss(style: str):
     return loss_fn
 
 
-def sgd_window_update(mesh, loss_fn) -> dict:
-    """One window of SGD(1) on ``mesh`` (batch split over "data"), checked against the big
-    batch: the update is minus the window's gradient (fp32 sums in another order: 1e-5)."""
+def sgd_window_update(mesh, loss_fn, table_spec=REPLICATED) -> dict:
+    """One window of SGD(1) on ``mesh`` (batch split over "data"; the embedding table laid
+    out by ``table_spec``), checked against the big batch: the update is minus the window's
+    gradient (fp32 sums in another order: 1e-5)."""
     devices = mesh.shape["data"]
     windows = skewed_windows(WindowSplit(devices, K, 2), 1, seed=3)
     tx = jaxaccum.multi_steps(optax.sgd(1.0), K, axis_name="data")
     with jax.set_mesh(mesh):
-        params = jax.device_put(tiny_lm_params(), P())
+        params = jax.device_put(tiny_lm_params(), {"embed": table_spec, "proj": P()})
         state = tx.init(params)
 
         @jax.jit
@@ -370,13 +374,14 @@ def sgd_window_update(mesh, loss_fn) -> dict:
         np.testing.assert_allclose(-np.asarray(updates[name]), g, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("table_spec", [P(), P("data")], ids=["replicated", "fsdp"])
 @pytest.mark.parametrize("style", ["table[tokens]", "out_sharding"])
-def test_a_one_device_mesh_takes_an_embedding_lookup_in_either_style(style):
+def test_a_one_device_mesh_takes_an_embedding_lookup_in_either_style(style, table_spec):
     # JAX fails a gather of `reduced` parameters, and its gradient in a one-device manual
-    # shard_map: on one device jaxaccum replicates the batch (free) and declares the
-    # gradient a partial sum
+    # shard_map: on one device jaxaccum replicates the batch and an FSDP table (free) and
+    # declares the gradient a partial sum
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-    sgd_window_update(mesh, embedding_loss(style))
+    sgd_window_update(mesh, embedding_loss(style), table_spec)
 
 
 def test_the_in_step_scan_on_a_one_device_mesh_takes_an_embedding_lookup():

@@ -35,7 +35,9 @@ def value_and_grad(
     and overflow no sooner; the gradient comes back multiplied by ``n`` in
     float32, that of ``loss_scale * loss_sum``.
 
-    Randomness: with ``axis_name`` ``loss_fn`` runs per device, and every typed
+    Randomness: where ``loss_fn`` runs per device (the routes of ``axis_name``
+    below but the mesh with other axes and the one-device mesh, where it runs on
+    the global batch and a key draws as under plain ``jit``), every typed
     PRNG key among ``args`` (and a module's ``nnx.Rngs`` streams) is folded with
     the device's index there (``jax.random.fold_in(key, axis_index)``), so each
     device draws its own dropout mask, as the same step under plain ``jit``
@@ -53,7 +55,8 @@ def value_and_grad(
     boundary, where ``multi_steps`` reduces them once:
 
     * under ``jax.jit`` on a mesh whose axes are all batch axes (Explicit, the
-      default of ``jax.make_mesh``), ``loss_fn`` runs per device on its rows (a
+      default of ``jax.make_mesh``) and hold several devices, ``loss_fn`` runs per
+      device on its rows (a
       ``shard_map`` inside your ``jit``) and the gradient, the loss and the
       items come out ``unreduced``: no collective on the micro-step. Parameters
       sharded over the axis (FSDP) are gathered first and their gradient
@@ -61,10 +64,14 @@ def value_and_grad(
     * under ``jax.jit`` on a mesh with other axes too (tensor parallelism), the
       parameters are cast to ``reduced`` over the batch axis, so their
       gradients come out ``unreduced`` and the model's own sharding annotations
-      stay valid. JAX accepts a reduced parameter in a matmul or a gather; where
-      one meets batch-sharded activations elementwise (a bias, a norm scale),
-      cast it back with ``jax.reshard(p, jax.P())`` in the model (its gradient,
-      small, is then reduced on every micro-step);
+      stay valid. JAX accepts a reduced parameter in a matmul, and in a gather
+      given its ``out_sharding``; where one meets batch-sharded activations
+      elementwise (a bias, a norm scale), cast it back with
+      ``jax.reshard(p, jax.P())`` in the model (its gradient, small, is then
+      reduced on every micro-step);
+    * under ``jax.jit`` on a mesh of one device, the batch (and an FSDP
+      parameter) is replicated, which is free there, and the gradient declared
+      ``unreduced``: JAX fails a lookup on both routes above on one device;
     * inside ``jax.shard_map``, the parameters are marked as varying, so each
       device keeps its own gradient (JAX's autodiff would otherwise sum it over
       the axis at every call).

@@ -132,8 +132,14 @@ def _window_sum_paths(keys: list[tuple[str, ...]]) -> set[tuple[str, ...]]:
 def _same(value: np.ndarray, target: Any, where: str) -> np.ndarray:
     if value.shape != tuple(target.shape) or value.dtype != target.dtype:
         copies = value.ndim == target.ndim > 0 and value.shape[1:] == tuple(target.shape[1:])
+        per_device = value.ndim == target.ndim + 1 and value.shape[1:] == tuple(target.shape)
         if value.dtype != target.dtype:
             hint = ""
+        elif per_device:  # a copy per device onto one copy
+            hint = (
+                " `saved` looks like a `pmap` state (a copy of every leaf per device), which"
+                " restores onto a `pmap` state of the same number of devices only."
+            )
         elif copies:  # a leading axis apart: a pmap state's devices, or another model's size
             hint = (
                 " Either `saved` holds another model's state (other parameter shapes), or it"

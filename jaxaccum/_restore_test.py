@@ -102,6 +102,17 @@ def test_a_pmap_state_onto_another_device_count_is_refused_with_the_reason():
         jaxaccum.restore_state(jax.device_get(state(4)), like=state(2))
 
 
+def test_a_pmap_state_onto_a_state_of_one_copy_is_refused_with_the_reason():
+    # a copy of every leaf per device (one more leading axis) onto a jit state
+    tx = jaxaccum.multi_steps(optax.sgd(1.0), 2, axis_name="data")
+    saved = jax.pmap(tx.init, axis_name="data", devices=jax.devices()[:4])({"w": jnp.zeros((4, 3))})
+    like = jaxaccum.multi_steps(optax.sgd(1.0), 2).init({"w": jnp.zeros(3)})
+    with pytest.raises(
+        ValueError, match=r"window_step was saved as int32\[4\].*looks like a `pmap`"
+    ):
+        jaxaccum.restore_state(jax.device_get(saved), like=like)
+
+
 def test_a_state_of_other_parameter_shapes_is_refused_naming_both_causes():
     # a 1-D leaf three long where two were saved: another model, or a pmap state's devices
     # (a leading axis apart: both read alike); a 2-D one with another last axis: no pmap hint

@@ -46,6 +46,7 @@ def sequence_mean_window(model, optimizer, microbatches):
         zero = 0.0 * model(mb["input_ids"]).sum()
         ((sum(means) + zero) / window_rows).backward()
     optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def audit(window_fn, **kwargs) -> bigbatch.InvarianceReport:

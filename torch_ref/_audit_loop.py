@@ -1,11 +1,12 @@
 """Your loop for one update of the audit: here on a copy of the model, or on gloo ranks.
 
 `torch_ref.audit.audit_window` and `audit_invariance` run ``window_fn`` twice per window
-they audit, with the ``torch.optim.SGD`` the audit hands over, and audit the second run
-from the same parameters (what the first left, unzeroed gradients, goes into it); on
-``R > 1`` ranks each rank gets its cells (`bigbatch.CellLayout`: rank ``r`` the cells of device ``r``), the model
-under ``DistributedDataParallel``, and the ranks must end with one set of parameters. The
-Hugging Face and TRL audits run their trainers on the same ranks (`torch_ref._trainer_runs`).
+they audit, from the same parameters, with the ``torch.optim.SGD`` the audit hands over,
+and refuse a loop whose two updates differ (it carries something over, unzeroed
+gradients); on ``R > 1`` ranks each rank gets its cells (`bigbatch.CellLayout`: rank ``r``
+the cells of device ``r``), the model under ``DistributedDataParallel``, and the ranks must
+end with one set of parameters. The Hugging Face and TRL audits run their trainers on the
+same ranks (`torch_ref._trainer_runs`).
 """
 
 from __future__ import annotations
@@ -32,28 +33,57 @@ def _microbatches(batch: Batch, layout: bigbatch.CellLayout, rank: int) -> list[
     return [_rows(batch, cell) for cell in layout.rows[rank]]
 
 
-def _step(window_fn: WindowFn, model: nn.Module, microbatches: list[Batch], lr: float) -> None:
-    """Your loop for the audited update, with the SGD the audit hands over, as a training loop
-    runs it: after an update of its own. That first update's parameter change is undone, and
-    what it left behind stays (the gradients, if your loop does not zero them: the audited
-    update then adds them in)."""
+def _step(
+    window_fn: WindowFn, model: nn.Module, microbatches: list[Batch], lr: float
+) -> list[np.ndarray]:
+    """Your loop for the audited update, with the SGD the audit hands over, twice from the
+    same parameters, as a training loop runs it: the second after an update of its own, with
+    what that one left behind (gradients it did not zero). Returns the parameters after the
+    first; the model holds those after the second (`_check_repeatable` compares them)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     start = [p.detach().clone() for p in model.parameters()]
     window_fn(model, optimizer, microbatches)
+    first = [x.copy() for x in _numpy(_parameters(model))]  # views: copied before the reset
     with torch.no_grad():
         for p, value in zip(model.parameters(), start, strict=True):
             p.copy_(value)
     window_fn(model, optimizer, microbatches)
+    return first
+
+
+def _check_repeatable(first: list[np.ndarray], second: list[np.ndarray], old: list) -> None:
+    """Refuses a loop whose update from the same parameters and rows changes with the update
+    before it (what it carries over would weigh on every later update)."""
+    moved = np.sqrt(sum(np.sum(np.square(f - _f64(o))) for f, o in zip(first, old, strict=True)))
+    gap = np.sqrt(sum(np.sum(np.square(_f64(s) - f)) for s, f in zip(second, first, strict=True)))
+    if moved > 0 and not gap <= bigbatch.RESIDUAL_RTOL * moved:
+        raise ValueError(
+            "window_fn: your loop's update depends on the update before it: run twice from"
+            f" the same parameters on the same rows, its second update differs from its first"
+            f" by {gap / moved:.1e} of it. It carries something over: gradients it does not"
+            " zero are added into the next update (call optimizer.zero_grad() after"
+            " optimizer.step(), or before the window's first backward)."
+        )
+
+
+def _f64(x: Any) -> np.ndarray:
+    """A parameter (tensor or array) as float64 numpy."""
+    return (x.detach().double().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)).astype(
+        np.float64
+    )
 
 
 def _window_here(
     window_fn: WindowFn, lr: float, model: nn.Module, batch: Batch, layout: bigbatch.CellLayout
 ) -> list[np.ndarray]:
     """One rank, in this process, on a copy of the model; the parameters after the update."""
+    old = _parameters(model)
     model = copy.deepcopy(model)
-    _step(window_fn, model, _microbatches(batch, layout, 0), lr)
+    first = _step(window_fn, model, _microbatches(batch, layout, 0), lr)
     model.zero_grad(set_to_none=True)  # the copy's gradients: freed before the audit goes on
-    return _numpy(_parameters(model))
+    new = _numpy(_parameters(model))
+    _check_repeatable(first, new, old)
+    return new
 
 
 def _window_on_ranks(
@@ -69,15 +99,17 @@ def _window_on_ranks(
     results = _on_ranks(
         layout.num_devices, _rank_window, model, per_rank, window_fn, lr, timeout_s=timeout_s
     )
-    return _same_on_every_rank(results, _parameters(model), "window_fn")
+    new = _same_on_every_rank(results, _parameters(model), "window_fn")
+    _check_repeatable(results[0].first, new, _parameters(model))
+    return new
 
 
 def _rank_window(rank, world_size, model, per_rank, window_fn, lr) -> RankParameters:
     """One rank of `_window_on_ranks`: DDP around its own copy of the model, its cells."""
     del world_size
     wrapped = nn.parallel.DistributedDataParallel(model)
-    _step(window_fn, wrapped, per_rank[rank], lr)
-    return _rank0_parameters(rank, model)
+    first = _step(window_fn, wrapped, per_rank[rank], lr)
+    return _rank0_parameters(rank, model)._replace(first=first if rank == 0 else None)
 
 
 def _on_ranks(
@@ -111,6 +143,7 @@ class RankParameters(NamedTuple):
 
     params: list[np.ndarray] | None
     distance_sq: float
+    first: list[np.ndarray] | None = None  # audit_window: rank 0's after its loop's first run
 
 
 def _rank0_parameters(rank: int, model: nn.Module) -> RankParameters:

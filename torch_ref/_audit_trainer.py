@@ -60,8 +60,9 @@ def audit_hf_trainer(
     you pass with another value): ``optim="sgd"`` (``optim_args=None``: no
     momentum), ``lr_scheduler_type="constant"``, ``warmup_steps=0``,
     ``weight_decay=0.0``, ``label_smoothing_factor=0.0``, ``neftune_noise_alpha=None``,
-    ``train_sampling_strategy="sequential"`` (no shuffling), ``gradient_accumulation_steps=k``, ``per_device_train_batch_size``
-    (the rows of one cell), ``max_steps=1`` (one optimizer step), ``bf16=False`` and
+    ``train_sampling_strategy="sequential"`` (no shuffling),
+    ``gradient_accumulation_steps=k``, ``per_device_train_batch_size`` (the rows of one
+    cell), ``max_steps=1`` (one optimizer step), ``bf16=False`` and
     ``fp16=False`` (float32: low precision's rounding would hide the weighting, which the
     Trainer computes by the same code in every precision). It defaults
     ``max_grad_norm=0.0`` (no clipping: a ``max_grad_norm > 0`` of yours is

@@ -115,6 +115,7 @@ def audit_window(
       ...         loss_sum, n = loss_fn(model, mb)
       ...         (loss_sum / n / len(microbatches)).backward()
       ...     optimizer.step()
+      ...     optimizer.zero_grad(set_to_none=True)
       >>> batch = {"input_ids": ids, "labels": labels}
       >>> report = audit_window(nanogpt, loss_fn, model, batch, k=2, progress=False)
       >>> # cells of 7 and 14 tokens (N = 21): each weighs N / (k n_c) times 1/N

@@ -170,8 +170,9 @@ def test_scheduler_per_window_moves_the_lr_on_skipped_windows():
     assert lrs["scheduler_per_window"] == [1.0, 1 / 2, 1 / 3, 1 / 4, 1 / 5]
 
 
-def test_two_bugs_change_nothing_without_a_skipped_window():
-    # The parity suite runs these on its loss-scaling scenario, where a window overflows.
+def test_skipping_per_micro_batch_changes_nothing_without_an_inf():
+    # The parity suite runs the two overflow-only bugs on its loss-scaling scenario, where a
+    # window overflows (scheduler_per_window's LRs without a skip: the test above).
     names = [n for n, v in VARIANTS.items() if v.overflow_only]
     assert names == ["skip_per_microbatch", "scheduler_per_window"]
     window = microbatches(*skewed_batch(18), 4)
