@@ -72,7 +72,8 @@ def _lookup_errors_explained(axis_name: AxisName) -> Iterator[None]:
     try:
         yield
     except ValueError as error:
-        if "Using *pspec is dangerous" in str(error):  # a gather of reduced parameters
+        reduced = ("Using *pspec is dangerous", "cannot overlap with reduced axes")  # 0.10, 0.12
+        if any(message in str(error) for message in reduced):  # a gather of reduced parameters
             raise ValueError(
                 "jaxaccum.value_and_grad: on a mesh with axes besides the batch's, the"
                 f" parameters are cast to `reduced` over {axis_name!r} (their gradients stay"
