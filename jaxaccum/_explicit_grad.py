@@ -105,7 +105,7 @@ def _on_one_device(grad, params, args, axis_name):
     """
     batch_axes = frozenset(_sharding.axes(axis_name))
     split = lambda x: isinstance(x, jax.Array) and _sharding.uses(_sharding.spec_of(x), axis_name)
-    whole = lambda x: jax.reshard(x, jax.P(*(None,) * x.ndim)) if split(x) else x
+    whole = lambda x: gather(x) if split(x) else x
     grads, (values, extra) = grad(jax.tree.map(whole, params), *jax.tree.map(whole, args))
     grads = jax.tree.map(
         lambda g, p: scatter_like(g, p) if split(p) else _replicated_as_unreduced(g, batch_axes),
