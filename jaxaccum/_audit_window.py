@@ -130,7 +130,7 @@ def audit_window(
         products,
         layout,
         learning_rate=float(learning_rate),
-        params_rounding=_rounding(params),
+        params_rounding=params_rounding(params),
         max_grad_norm=max_grad_norm,
     )
 
@@ -188,7 +188,7 @@ def _cell_grad(loss_fn: LossFn, params: Any, cell: Any) -> list[jax.Array]:
     return jax.tree.leaves(grad_fn(params))
 
 
-def _rounding(params: Any) -> float:
+def params_rounding(params: Any) -> float:
     """``|eps(dtype) * params|``: the rounding of reading an update back as ``new - old``."""
     return float(
         np.sqrt(

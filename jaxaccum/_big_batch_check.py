@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 import bigbatch
+from jaxaccum._audit_window import params_rounding
 
 BIG_BATCH_RTOL = 1e-4
 """The default tolerance on the relative difference, for float32 parameters and gradients:
@@ -147,22 +148,10 @@ def check_big_batch(
         )
     relative = float(np.linalg.norm(ours - theirs)) / reference
     scale = float(ours @ theirs) / reference**2
-    readback = _rounding(params) / reference
+    readback = params_rounding(params) / 2 / reference  # half an ulp of each parameter
     return BigBatchCheck(
         relative, rtol, relative <= rtol, scale, window_items, grad_norm, big, readback
     )
-
-
-def _rounding(params: Any) -> float:
-    """Half an ulp of each parameter (``eps / 2`` of its value: at most one ulp), L2 over
-    all: the rounding of the parameters an update lands on (about as large: it rounds alike)."""
-    total = 0.0
-    for leaf in jax.tree.leaves(params):
-        value = np.asarray(leaf)
-        if jax.numpy.issubdtype(value.dtype, jax.numpy.inexact):
-            half_ulp = float(jax.numpy.finfo(value.dtype).eps) / 2
-            total += float(np.sum(np.square(np.abs(value.astype(np.float64)) * half_ulp)))
-    return math.sqrt(total)
 
 
 def _check(microbatches: Sequence[Any], learning_rate: float, rtol: float) -> None:

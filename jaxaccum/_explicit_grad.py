@@ -103,21 +103,11 @@ def _on_one_device(grad, params, args, axis_name):
     route of ``reduced`` parameters hands it over, with the loss and the items replicated;
     an FSDP parameter's gradient goes back to its layout.
     """
-    batch_axes = frozenset(_sharding.axes(axis_name))
     split = lambda x: isinstance(x, jax.Array) and _sharding.uses(_sharding.spec_of(x), axis_name)
     whole = lambda x: gather(x) if split(x) else x
     grads, (values, extra) = grad(jax.tree.map(whole, params), *jax.tree.map(whole, args))
-    grads = jax.tree.map(
-        lambda g, p: scatter_like(g, p) if split(p) else _replicated_as_unreduced(g, batch_axes),
-        grads,
-        params,
-    )
-    return grads, (values, extra)
-
-
-def _replicated_as_unreduced(x: jax.Array, batch_axes: frozenset) -> jax.Array:
-    """``x`` declared a partial sum over the batch axes (on one device: the same buffer)."""
-    return jax.reshard(x, _sharding.rebuild(_sharding.spec_of(x), unreduced=batch_axes))
+    as_sum = lambda g, p: jax.reshard(g, _sharding.unreduced_spec(p, axis_name))
+    return jax.tree.map(as_sum, grads, params), (values, extra)
 
 
 def _same_on_every_device(module_state: Any, axis_name: AxisName) -> Any:

@@ -54,8 +54,11 @@ def _step(
 def _check_repeatable(first: list[np.ndarray], second: list[np.ndarray], old: list) -> None:
     """Refuses a loop whose update from the same parameters and rows changes with the update
     before it (what it carries over would weigh on every later update)."""
-    moved = np.sqrt(sum(np.sum(np.square(f - _f64(o))) for f, o in zip(first, old, strict=True)))
-    gap = np.sqrt(sum(np.sum(np.square(_f64(s) - f)) for s, f in zip(second, first, strict=True)))
+    norm = lambda change: float(
+        np.sqrt(sum(np.sum(np.square(d, dtype=np.float64)) for d in change))
+    )
+    moved = norm(bigbatch.parameter_change(list(first), _numpy(old)))
+    gap = norm(bigbatch.parameter_change(list(second), first))
     if moved > 0 and not gap <= bigbatch.RESIDUAL_RTOL * moved:
         raise ValueError(
             "window_fn: your loop's update depends on the update before it: run twice from"
@@ -64,13 +67,6 @@ def _check_repeatable(first: list[np.ndarray], second: list[np.ndarray], old: li
             " zero are added into the next update (call optimizer.zero_grad() after"
             " optimizer.step(), or before the window's first backward)."
         )
-
-
-def _f64(x: Any) -> np.ndarray:
-    """A parameter (tensor or array) as float64 numpy."""
-    return (x.detach().double().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)).astype(
-        np.float64
-    )
 
 
 def _window_here(

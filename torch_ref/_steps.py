@@ -5,7 +5,7 @@ decision points are the hooks of `torch_ref.buggy.Variant`. Here is what they
 share: where the model runs (`placement`), the micro-batch's
 forward and summed loss (`forward_loss_sum`), the one all-reduce of a few
 scalars (`sum_over_ranks`, `window_items`), the global norm and clipping factor
-of ``torch.nn.utils.clip_grad_norm_`` (`global_norm`, `clip_coef`,
+of ``torch.nn.utils.clip_grad_norm_`` (`global_norm`, `unscaled_norm`, `clip_coef`,
 `scale_grads`), a micro-batch's gradient on its own (`own_gradient`:
 `backward_clipped`, `backward_if_finite`) and the GradScaler-aware step
 (`optimizer_step`).
@@ -144,6 +144,16 @@ def global_norm(params: Sequence[nn.Parameter]) -> torch.Tensor:
         return torch.zeros((), dtype=torch.float32)
     wide = [g.to(torch.promote_types(g.dtype, torch.float32)) for g in grads]
     return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in wide]))
+
+
+def unscaled_norm(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, params: Sequence
+) -> float:
+    """At the boundary: the window gradient unscaled once (``scaler.unscale_``, with a
+    GradScaler), and its `global_norm`."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    return float(global_norm(params).item())
 
 
 def clip_coef(norm: float, max_norm: float) -> float:

@@ -148,9 +148,7 @@ def train_update(
     # 3. At the boundary, once: the window loss, unscale, norm, clip (decision 3), step.
     # the objective whose gradient DDP averaged: sum / N for the reference
     loss = steps.sum_over_ranks(ddp, [objective_sum], device)[0] / world_size
-    if scaler is not None:
-        scaler.unscale_(optimizer)
-    grad_norm = float(steps.global_norm(params).item())
+    grad_norm = steps.unscaled_norm(optimizer, scaler, params)
     finite = math.isfinite(grad_norm) and math.isfinite(loss)
     clip_coef = variant.clip_window(params, grad_norm, max_grad_norm) if finite else 1.0
     lr = float(optimizer.param_groups[0]["lr"])  # the LR this step uses
