@@ -202,8 +202,8 @@ def jit_prose(jax_results: list[dict[str, Any]], timing: dict, devices: list) ->
     )
     return "\n".join(
         [
-            f"Under plain `jit` on an Explicit mesh with `axis_name`, the window's sums stay "
-            f"unreduced between calls and the boundary all-reduces them ({counts(explicit)}"
+            f"Under plain `jit` on an Explicit mesh with `axis_name`, each device keeps its "
+            f"partial sums in its own row between calls and the boundary all-reduces them ({counts(explicit)}"
             + (
                 ": the gradient, the loss and the items in one"
                 if explicit["per_window"] == 1

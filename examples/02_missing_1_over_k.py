@@ -2,7 +2,7 @@
 
 A trainer that accumulates ``k`` micro-batches by calling ``backward`` on each
 must divide each micro-batch loss by ``k``: the gradients are ADDED. A custom
-``compute_loss`` (TRL's DAPO trainer, reported with loss 0.42 at k=1 and 1.68
+``compute_loss`` (TRL's DAPO trainer: loss 0.42 at k=1 reads 1.68
 at k=4) that forgets it returns k times the loss and k times the gradient: the
 learning rate silently becomes ``k * lr``.
 
@@ -30,7 +30,7 @@ import jaxaccum
 
 # every micro-batch: two completions of 3 and 5 tokens (8 valid tokens)
 MASK = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], np.float32)
-REPORTED = 0.42  # the loss at k = 1 in the report
+REPORTED = 0.42  # a DAPO run's loss at k = 1
 
 # The numbers docs/math.md and the READMEs quote, name -> as printed (filled by main()).
 HEADLINE: dict[str, str] = {}

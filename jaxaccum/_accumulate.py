@@ -43,7 +43,9 @@ def accumulate_gradients(
         differentiated), e.g. :func:`jaxaccum.losses.causal_lm`.
       params: the parameters, a pytree (a ``flax.nnx.Module`` is refused: pass
         its ``nnx.Param`` state from ``nnx.split`` and merge it in ``loss_fn``).
-      microbatches: pytree whose leaves have a leading micro-batch axis ``k``.
+      microbatches: pytree whose leaves have a leading micro-batch axis ``k``,
+        then the rows: on a mesh, split the rows over ``axis_name``
+        (``P(None, "data")``), never the micro-batch axis.
       axis_name: the mesh axis the batch is split over (``jax.jit`` on an
         Explicit mesh, ``shard_map`` or ``pmap``), or ``None`` (one device, or
         ``jit`` with the partitioner reducing each micro-batch).

@@ -72,8 +72,8 @@ def audit_window(
       progress: a progress bar (tqdm, on stderr) while the cells' gradients
         are computed.
 
-    Memory: the parameters, your loop's, then ``8 P`` bytes for the update and
-    ``4 P`` per cell gradient held (``bigbatch.CELL_MEMORY``, at least one);
+    Memory: the parameters, your loop's, then the update (``4 P`` bytes for float32
+    parameters) and ``4 P`` per cell gradient held (``bigbatch.CELL_MEMORY``, at least one);
     ``docs/audit.md`` gives the time and memory per parameter and per cell.
 
     Returns:

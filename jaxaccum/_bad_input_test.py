@@ -101,7 +101,7 @@ def mesh4():
     return jax.sharding.Mesh(np.array(jax.devices()[:4]), ("data",))
 
 
-def shard_map_step(tx, grad_fn, mesh_axis="data"):
+def shard_map_step(tx, grad_fn, mesh_axis="data", end_window=lambda y: False):
     """Runs one tx.update per device of a 4-device mesh on y = [0, 1, 2, 3]."""
     mesh = mesh4()
     specs = jaxaccum.partition_specs(jax.eval_shape(tx.init, PARAMS), mesh_axis)
@@ -112,7 +112,9 @@ def shard_map_step(tx, grad_fn, mesh_axis="data"):
     @partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(mesh_axis)), out_specs=specs)
     def step(params, state, y):
         (loss_sum, num_items), grads = grad_fn(params, y)
-        return tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)[1]
+        end = end_window(y)
+        return tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum,
+                         end_window=end)[1]  # fmt: skip
 
     y = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P(mesh_axis)))
     return step(PARAMS, state, y)
@@ -140,6 +142,12 @@ def mismatched_axis_name():
     shard_map_step(sgd(axis_name="batch"), grad_fn)
 
 
+def end_window_varying_in_shard_map():
+    # device 0 alone would close its window: a reduction the others never join
+    grad_fn = jaxaccum.value_and_grad(per_device_loss, axis_name="data")
+    shard_map_step(sgd(axis_name="data"), grad_fn, end_window=lambda y: jnp.sum(y) == 0)
+
+
 def auto_axis_under_jit():
     mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     with jax.set_mesh(mesh):
@@ -161,6 +169,23 @@ def replicated_grads_under_explicit_jit():
         # with respect to the replicated params: the partitioner all-reduces every call
         grads_of = lambda p, x: jax.grad(lambda p: jnp.sum(x @ p["w"]))(p)
         jax.jit(lambda p, s, x: tx.update(grads_of(p, x), s, p, num_items=8)[1])(params, state, x)
+
+
+def unreduced_grads_to_tx_without_axis_name():
+    with on_explicit_mesh() as (_, params, _, x):
+        tx = sgd()  # no axis_name: nothing would reduce the devices' partial sums
+        loss = lambda p, x: (jnp.sum(x @ p["w"]), jnp.float32(x.shape[0]))
+
+        def step(p, s, x):
+            (_, items), grads = jaxaccum.value_and_grad(loss, axis_name="data")(p, x)
+            return tx.update(grads, s, p, num_items=items)[1]
+
+        jax.jit(step)(params, tx.init(params), x)
+
+
+def value_and_grad_axis_name_unbound():
+    loss = lambda p, x: (jnp.sum(x @ p["w"]), jnp.float32(x.shape[0]))
+    jax.jit(jaxaccum.value_and_grad(loss, axis_name="data"))(PARAMS, jnp.ones((8, 2)))
 
 
 def batch_split_over_its_sequence_axis():
@@ -330,8 +355,15 @@ RAISES = [
     ("axis_name_unbound_eager", partial(axis_name_unbound, jit=False), NameError),
     ("axis_name_unbound_jit", partial(axis_name_unbound, jit=True), NameError),
     ("axis_name_mismatched_in_shard_map", mismatched_axis_name, NameError),
+    ("end_window_varying_in_shard_map", end_window_varying_in_shard_map, ValueError),
     ("axis_name_on_an_auto_mesh", auto_axis_under_jit, ValueError),
     ("grads_replicated_under_explicit_jit", replicated_grads_under_explicit_jit, ValueError),
+    (
+        "unreduced_grads_to_tx_without_axis_name",
+        unreduced_grads_to_tx_without_axis_name,
+        ValueError,
+    ),
+    ("value_and_grad_axis_name_unbound", value_and_grad_axis_name_unbound, NameError),
     ("batch_split_over_its_sequence_axis", batch_split_over_its_sequence_axis, ValueError),
     ("state_made_outside_the_mesh", state_made_outside_the_mesh, ValueError),
     ("nnx_batch_statistics_per_device", nnx_batch_statistics_per_device, ValueError),
@@ -342,6 +374,13 @@ RAISES = [
     (
         "grads_already_summed_python_int_items",
         partial(grads_summed_by_autodiff, python_int_items=True),
+        ValueError,
+    ),
+    (
+        "partition_specs_batch_axis_in_param_specs",
+        lambda: jaxaccum.partition_specs(
+            jax.eval_shape(sgd(axis_name="data").init, PARAMS), "data", {"w": P("data")}
+        ),
         ValueError,
     ),
     (

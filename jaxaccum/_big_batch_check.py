@@ -98,9 +98,11 @@ def check_big_batch(
     ``clip_by_global_norm`` has no ``1e-6``).
 
     Args:
-      update: your loop's parameter change over one window (new minus old), run
-        with ``optax.sgd(learning_rate)`` as the inner optimizer: SGD's step is
-        the gradient itself, where AdamW's is not (see the module docstring).
+      update: your loop's parameter change over one window, run with
+        ``optax.sgd(learning_rate)`` as the inner optimizer (SGD's step is the
+        gradient itself, where AdamW's is not: see the module docstring). Pass
+        the updates your optimizer returned at the boundary: new minus old
+        parameters adds their float32 rounding (``BigBatchCheck.readback``).
       loss_fn: ``loss_fn(params, batch) -> (loss_sum, num_items)``, a SUM over the
         batch's items and their number.
       params: the parameters the window started from.
@@ -136,7 +138,7 @@ def check_big_batch(
     )
     if jax.tree.structure(update) != jax.tree.structure(big):
         raise ValueError(
-            "update: expected a pytree like params (your window's new minus old parameters);"
+            "update: expected a pytree like params (your window's updates, the parameter change);"
             f" got {jax.tree.structure(update)}, params are {jax.tree.structure(big)}"
         )
     ours = np.concatenate([np.asarray(u, np.float64).ravel() for u in jax.tree.leaves(update)])

@@ -65,15 +65,17 @@ def match_state(grads: Any, grad_sum: Any, *, per_device: bool, rows: bool = Fal
             )
 
 
-def axis_bound(axis_name: AxisName) -> None:
+def axis_bound(axis_name: AxisName, where: str = "multi_steps", call: str = "update") -> None:
+    """The axis is one the call runs over: a mesh in context, ``shard_map`` or ``pmap``
+    (``where`` and ``call``: the function that names it, and what to call there)."""
     for name in _sharding.axes(axis_name):
         try:
             jax.lax.axis_size(name)
         except NameError:
             raise NameError(
-                f"multi_steps: axis_name {name!r} is not bound here: call update inside"
+                f"{where}: axis_name {name!r} is not bound here: call {call} inside"
                 " jax.jit on a mesh with that axis (jax.set_mesh), jax.shard_map over it or"
-                " jax.pmap(..., axis_name=...), or build multi_steps without axis_name."
+                f" jax.pmap(..., axis_name=...), or use {where} without axis_name."
             ) from None
 
 
@@ -99,6 +101,19 @@ def block_norms_visible(axis_name: AxisName) -> None:
             " parameter sharded over them, so the window's gradient norm (clipping, the"
             " skip of a non-finite window) would be one device's block. Use"
             " check_vma=True (shard_map's default)."
+        )
+
+
+def same_on_every_device(end_window: Any, axis_name: AxisName) -> None:
+    """Per device: ``end_window`` closes every device's window or none (a device that
+    closes alone would wait for the others in the window's reduction)."""
+    varying = frozenset(_sharding.axes(axis_name)) & _sharding.varying_axes(end_window)
+    if varying and _vma_checked(axis_name):
+        raise ValueError(
+            f"multi_steps.update: `end_window` varies over {sorted(varying)}: a window closes"
+            " on every device at once (its gradients are reduced over them). Pass the same"
+            " value on every device: a Python bool, or a value that does not vary over the"
+            " axis (jax.lax.pmax of the devices' flags, say)."
         )
 
 
@@ -144,6 +159,23 @@ def grads_join_without_collective(grads: Any, grad_sum: Any, axis_name: AxisName
                 " and make the state with tx.init under the same mesh. A replicated gradient"
                 " was all-reduced already: for that (GSPMD) path build multi_steps without"
                 " axis_name."
+            )
+
+
+def grads_reduced(grads: Any) -> None:
+    """Without ``axis_name``: a gradient left unreduced over a mesh axis (each device's
+    partial sum) has nothing to reduce it; the window would add partial sums."""
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        partial = sorted(_sharding.spec_of(g).unreduced)
+        if partial:
+            axis = partial[0] if len(partial) == 1 else tuple(partial)
+            leaf = f" leaf {jax.tree_util.keystr(path)}" if path else ""
+            raise ValueError(
+                f"multi_steps.update: `grads`{leaf} is unreduced"
+                f" over mesh axis {axis!r} (each device's partial sum, as"
+                f" jaxaccum.value_and_grad(..., axis_name={axis!r}) returns it), but this"
+                f" multi_steps has no axis_name: build it with axis_name={axis!r}, the same"
+                " axis as value_and_grad, to reduce the window once."
             )
 
 

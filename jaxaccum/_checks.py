@@ -158,9 +158,12 @@ def update_call(
         _check_grads.axis_bound(axis_name)
         _check_grads.block_norms_visible(axis_name)
         _check_grads.grads_not_summed(grads_value, axis_name)
+        _check_grads.same_on_every_device(end_window, axis_name)
     elif placement is Placement.EXPLICIT:
         _check_grads.sums_in_rows(state, grads_value, axis_name)
         _check_grads.grads_join_without_collective(grads_value, state.grad_sum, axis_name)
+    else:
+        _check_grads.grads_reduced(grads_value)
 
 
 def raise_if_nonfinite(overflow, micro_step, loss, grad_norm) -> None:

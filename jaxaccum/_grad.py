@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxaccum import _sharding
 from jaxaccum._check_batch import batch_split
+from jaxaccum._check_grads import axis_bound
 from jaxaccum._explicit_grad import per_device_under_jit
 from jaxaccum._loss_scale import scaled_loss, unscaled_to_sum
 from jaxaccum._sharding import Placement
@@ -142,6 +143,7 @@ def _differentiate(objective, params, args, axis_name):
 
     where = _sharding.placement(axis_name)
     if where is Placement.PER_DEVICE:
+        axis_bound(axis_name, "jaxaccum.value_and_grad", call="it")
         # cast first, then differentiate: the gradient with respect to the cast
         # parameters is the per-device one (a cast inside would transpose to a sum)
         return grad(jax.lax.pcast(params, axis_name, to="varying"), *args)

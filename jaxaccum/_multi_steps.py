@@ -52,8 +52,8 @@ def multi_steps(
     Args:
       inner: the optimizer of the big batch, e.g. ``optax.adamw(3e-4)``. Its
         schedule counts updates, never micro-steps.
-      every_k_schedule: micro-batches per window: an int, or a function of the
-        update id (the number of applied updates) returning an int.
+      every_k_schedule: micro-batches per window: an int, or a function of the update id
+        (applied updates) returning an int, checked at 0 (below 1 later: k = 1).
       axis_name: the mesh axis the batch is split over: under ``jax.jit`` on an
         Explicit mesh (call ``init`` under ``jax.set_mesh``), ``jax.shard_map``
         or ``jax.pmap``. ``None``: one device, or ``jit`` letting the
@@ -76,9 +76,9 @@ def multi_steps(
       An ``optax.GradientTransformationExtraArgs`` whose ``update(grads, state,
       params=None, *, num_items, loss_sum=None, end_window=False, **extra_args)``
       takes the gradients of the local SUMMED loss, the items it adds up (valid
-      tokens, samples, or a non-negative weight), the summed loss (for the
-      record) and a bool that closes a short window now; ``extra_args`` reach
-      ``inner.update``. Its updates have the inner optimizer's update dtypes.
+      tokens, samples, or a non-negative weight), the summed loss (for the record)
+      and a bool, the same on every device, that closes a short window now;
+      ``extra_args`` reach ``inner.update``. Its updates have ``inner``'s dtypes.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxaccum

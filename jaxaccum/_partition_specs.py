@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum._sharding import AxisName
+from jaxaccum._sharding import AxisName, axes
 from jaxaccum._state import MultiStepsState
 
 
@@ -45,6 +45,8 @@ def partition_specs(opt_state: Any, axis_name: AxisName, param_specs: Any = None
       (1, 3)
     """
 
+    _check_param_specs(param_specs, axis_name)
+
     def specs_of(node: Any) -> Any:
         if not isinstance(node, MultiStepsState):
             return P()
@@ -77,3 +79,22 @@ def partition_specs(opt_state: Any, axis_name: AxisName, param_specs: Any = None
         )
 
     return jax.tree.map(specs_of, opt_state, is_leaf=lambda x: isinstance(x, MultiStepsState))
+
+
+def _check_param_specs(param_specs: Any, axis_name: AxisName) -> None:
+    """Refuses a parameter sharded over the batch axis: under ``shard_map`` its window sum's
+    row would be split over the same axis twice."""
+    if param_specs is None:
+        return
+    is_spec = lambda x: isinstance(x, P)
+    for path, spec in jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=is_spec)[0]:
+        named = {a for part in spec for a in (part if isinstance(part, tuple) else (part,))}
+        batch = sorted(named & set(axes(axis_name)))
+        if batch:
+            raise ValueError(
+                f"partition_specs: `param_specs` leaf {jax.tree_util.keystr(path)} is {spec},"
+                f" sharded over the batch axis {batch[0]!r}: under shard_map the parameters"
+                " may be sharded over the mesh's other axes only (tensor parallelism). For"
+                " parameters sharded over the batch axis (FSDP), use jax.jit on an Explicit"
+                " mesh with multi_steps(..., axis_name=...) (docs/data-parallel.md)."
+            )

@@ -37,9 +37,11 @@ micro-batch takes its *local* token mean, so the window is a mean of means whose
 value changes with ``k`` and the world size (``examples/08_rl_loss_units.py``).
 Its one-batch objective is the token mean of the batch, which is ``dapo``'s unit.
 
-A "sequence" is a row of ``mask`` with at least one valid token; an all-False
-row is padding (TRL counts every row, but there every completion holds at least
-its EOS token, so the two agree on real batches).
+A "sequence" is, by default, a row of ``mask`` with at least one valid token: an
+all-False row is padding. TRL counts every row of its batch, and with
+``mask_truncated_completions=True`` it zeroes a truncated completion's whole row
+and still counts it: pass ``sequence_mask`` (every real completion, truncated or
+not) to count those rows too.
 """
 
 from __future__ import annotations
@@ -68,11 +70,13 @@ def policy_gradient(
     *,
     loss_type: str,
     max_completion_length: int | None = None,
+    sequence_mask: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """A GRPO-family loss as ``(loss_sum, num_items)`` for :func:`jaxaccum.multi_steps`.
 
     With ``m`` the mask, ``l`` the per-token loss, ``n_i = sum_t m_it`` the valid
-    tokens of sequence ``i``, ``S`` the sequences (rows with ``n_i > 0``) and
+    tokens of sequence ``i``, ``S`` the sequences (rows with ``n_i > 0``, or those of
+    ``sequence_mask``) and
     ``L = max_completion_length``:
 
     .. math::
@@ -96,6 +100,12 @@ def policy_gradient(
       loss_type: one of :data:`LOSS_TYPES`.
       max_completion_length: the generation budget ``L`` in tokens; required
         for ``"dr_grpo"`` (and must be ``>= T``), ignored otherwise.
+      sequence_mask: ``[...]`` (``mask``'s shape without ``T``), bool or 0/1: which
+        rows are sequences, counted by ``grpo``, ``sapo``, ``luspo`` and ``dr_grpo``.
+        Default: the rows with a valid token (an all-False row is padding). TRL
+        counts every row: with its ``mask_truncated_completions=True``, which masks
+        a truncated completion whole, pass the rows that are completions (all True
+        where the batch has no padding) to get TRL's objective.
 
     Returns:
       ``(loss_sum, num_items)``, float32 scalars of this micro-batch: differentiate
@@ -104,7 +114,8 @@ def policy_gradient(
     Raises:
       ValueError: unknown ``loss_type``; ``dr_grpo`` without a positive
         ``max_completion_length`` or with ``T > max_completion_length``; shapes
-        of ``per_token_loss`` and ``mask`` that differ.
+        of ``per_token_loss`` and ``mask`` that differ, or a ``sequence_mask``
+        whose shape is not ``mask``'s without its last axis.
 
     Example:
       >>> import jax.numpy as jnp
@@ -125,21 +136,35 @@ def policy_gradient(
     if loss_type == "dr_grpo":
         _check_max_completion_length(max_completion_length, per_token_loss.shape[-1])
 
-    weights = mask.astype(jnp.float32)
+    is_sequence = _sequences(sequence_mask, mask)
+    weights = jnp.where(is_sequence[..., None], mask.astype(jnp.float32), 0.0)  # padding: none
     token_loss = jnp.where(weights != 0, per_token_loss.astype(jnp.float32), 0.0) * weights
     tokens_per_sequence = jnp.sum(weights, axis=-1)
-    is_sequence = tokens_per_sequence > 0
     sequences = jnp.sum(is_sequence).astype(jnp.float32)
     sequence_loss = jnp.sum(token_loss, axis=-1)
     item = next(item for item, types in ITEMS.items() if loss_type in types)
     if loss_type in SEQUENCE_MEANS:  # every sequence weighs the same, whatever its length
-        sequence_loss = sequence_loss / jnp.where(is_sequence, tokens_per_sequence, 1.0)
-    loss_sum = jnp.sum(jnp.where(is_sequence, sequence_loss, 0.0))
+        has_tokens = tokens_per_sequence > 0  # one masked whole weighs 0 (TRL: 0 / 1)
+        sequence_loss = sequence_loss / jnp.where(has_tokens, tokens_per_sequence, 1.0)
+    loss_sum = jnp.sum(sequence_loss)
     if item == "sequence":
         return loss_sum, sequences
     if item == "slot":
         return loss_sum, sequences * jnp.float32(max_completion_length)
     return loss_sum, jnp.sum(tokens_per_sequence)  # tokens: one token mean of the window
+
+
+def _sequences(sequence_mask: jax.Array | None, mask: jax.Array) -> jax.Array:
+    """Which rows count as sequences: ``sequence_mask``'s, else those with a valid token."""
+    if sequence_mask is None:
+        return jnp.any(mask.astype(jnp.bool_), axis=-1)
+    sequence_mask = jnp.asarray(sequence_mask)
+    if sequence_mask.shape != mask.shape[:-1]:
+        raise ValueError(
+            "policy_gradient: `sequence_mask` must have `mask`'s shape without its last axis,"
+            f" {mask.shape[:-1]}; got {sequence_mask.shape}."
+        )
+    return sequence_mask.astype(jnp.bool_)
 
 
 def check_loss_type(loss_type: object, where: str) -> None:

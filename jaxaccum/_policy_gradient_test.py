@@ -142,6 +142,31 @@ def test_errors():
         policy_gradient(LOSS, MASK[:, :2], loss_type="dapo")
     # max_completion_length is ignored by the other types (TRL configs always carry it)
     assert float(policy_gradient(LOSS, MASK, loss_type="dapo", max_completion_length=1)[1]) == 3.0
+    with pytest.raises(ValueError, match=r"sequence_mask.*without its last axis.*\(3,\).*\(3, 3\)"):
+        policy_gradient(LOSS, MASK, loss_type="grpo", sequence_mask=MASK)
+
+
+@pytest.mark.parametrize(
+    "loss_type, expected",
+    [  # the third row masked whole, yet a completion (TRL's mask_truncated_completions)
+        ("grpo", (2.0 + 2.0, 3.0)),  # it weighs 0 and counts: 3 sequences
+        ("luspo", (6.0, 3.0)),
+        ("dr_grpo", (6.0, 3.0 * 4)),
+        ("dapo", (6.0, 3.0)),  # tokens: nothing changes
+    ],
+)
+def test_sequence_mask_counts_a_row_masked_whole(loss_type, expected):
+    every_row = jnp.array([True, True, True])
+    loss_sum, num_items = policy_gradient(
+        LOSS, MASK, loss_type=loss_type, max_completion_length=4, sequence_mask=every_row
+    )
+    assert (float(loss_sum), float(num_items)) == expected  # small integers: exact
+    # a row left out of sequence_mask is padding, valid tokens and all: as if it were absent
+    first_only = policy_gradient(
+        LOSS, MASK, loss_type=loss_type, max_completion_length=4, sequence_mask=[1, 0, 0]
+    )
+    alone = policy_gradient(LOSS[:1], MASK[:1], loss_type=loss_type, max_completion_length=4)
+    assert [float(x) for x in first_only] == [float(x) for x in alone]
 
 
 # ---- policy_token_loss: TRL's per-token formulas ----------------------------------------------

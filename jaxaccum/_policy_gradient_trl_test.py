@@ -148,7 +148,9 @@ def trl_compute_loss(
     return loss.item(), logps.grad.numpy(), per_token.numpy()
 
 
-def jaxaccum_loss(loss_type: str, data: dict, **fields) -> tuple[float, np.ndarray, np.ndarray]:
+def jaxaccum_loss(
+    loss_type: str, data: dict, sequence_mask=None, **fields
+) -> tuple[float, np.ndarray, np.ndarray]:
     """The same three with ``policy_token_loss`` and ``loss_sum / num_items``; the per-token
     loss without the KL term, as TRL's entropy mask sees it (TRL adds ``beta * KL`` after)."""
 
@@ -161,8 +163,9 @@ def jaxaccum_loss(loss_type: str, data: dict, **fields) -> tuple[float, np.ndarr
 
     def objective(logps):
         loss_sum, num_items = losses.policy_gradient(
-            per_token(logps), data["mask"], loss_type=loss_type, max_completion_length=T
-        )
+            per_token(logps), data["mask"], loss_type=loss_type, max_completion_length=T,
+            sequence_mask=sequence_mask,
+        )  # fmt: skip
         return loss_sum / num_items
 
     logps = jnp.asarray(data["logps"])
@@ -185,6 +188,24 @@ def test_per_token_loss_loss_and_gradient_are_trls(trl, loss_type, fields):
     np.testing.assert_allclose(
         grad, trl_grad, rtol=GRAD_RTOL, atol=GRAD_RTOL * np.abs(trl_grad).max()
     )
+
+
+@pytest.mark.parametrize("loss_type, fields", CASES, ids=lambda c: str(c))
+def test_a_truncated_completion_masked_whole_counts_as_trl_counts_it(trl, loss_type, fields):
+    # TRL's mask_truncated_completions=True zeroes a truncated completion's mask row and
+    # keeps the row in its batch: sequence_mask says it is a completion, not padding
+    data = rollouts()
+    data["mask"][3] = 0  # the 1-token completion, truncated
+    trl_loss, trl_grad, _ = trl_compute_loss(trl, loss_type, data, **fields)
+    loss, grad, token = jaxaccum_loss(loss_type, data, sequence_mask=np.ones(B, bool), **fields)
+    scale = np.mean(np.abs(token[data["mask"] > 0]))
+    assert abs(loss - trl_loss) <= LOSS_RTOL * max(abs(trl_loss), scale)  # as above
+    np.testing.assert_allclose(
+        grad, trl_grad, rtol=GRAD_RTOL, atol=GRAD_RTOL * np.abs(trl_grad).max()
+    )
+    if loss_type in ("grpo", "sapo", "luspo", "dr_grpo"):  # they count sequences: 5 vs 6
+        padding, _, _ = jaxaccum_loss(loss_type, data, **fields)  # the row read as padding
+        assert padding == pytest.approx(trl_loss * B / (B - 1), rel=LOSS_RTOL, abs=1e-6)
 
 
 def test_the_data_exercises_every_branch():

@@ -127,8 +127,8 @@ class MultiStepsState(NamedTuple):
       loss_sum: the open window's summed loss (float32 whatever
         ``accumulator_dtype`` is; float64 with float64 sums).
       num_items: the open window's items: valid tokens, samples, or any
-        non-negative weight (float32, float64 with float64 sums: counts stay
-        exact in a low-precision accumulator).
+        non-negative weight (float32, float64 with float64 sums, whatever
+        ``accumulator_dtype`` is: whole counts are exact below 2**24).
       last_window: the :class:`WindowMetrics` of the last closed window; its
         ``update_id`` is what ``every_k_schedule`` sees.
     """
