@@ -55,10 +55,18 @@ from bigbatch._products import (
     stream_products,
 )
 from bigbatch._records import IGNORE_INDEX, RECORD_KEYS, SkipReason
+from bigbatch._repeat import (
+    LR_SCALE,
+    check_proportional,
+    sample,
+    sampled_change,
+    sampled_rounding,
+)
 from bigbatch._report import AuditReport
 from bigbatch._tolerances import (
     CLIP_RTOL,
     ITEMS_RTOL,
+    LINEAR_RTOL,
     LOSS_RTOL,
     MAX_CONDITION,
     MAX_ROUNDING,
@@ -81,6 +89,8 @@ __all__ = [
     "IGNORE_INDEX",
     "INVARIANCE_RTOL",
     "ITEMS_RTOL",
+    "LINEAR_RTOL",
+    "LR_SCALE",
     "LOSS_RTOL",
     "MAX_CONDITION",
     "MEAN_OF_GLOBAL_MEANS",
@@ -102,6 +112,10 @@ __all__ = [
     "check_layout",
     "check_max_grad_norm",
     "check_precision",
+    "check_proportional",
+    "sample",
+    "sampled_change",
+    "sampled_rounding",
     "check_sums",
     "check_window",
     "cell_products",

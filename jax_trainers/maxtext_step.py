@@ -34,9 +34,9 @@ ROUTES = {"native": "False", "tunix": "True"}
 """``use_tunix_gradient_accumulation`` of each route."""
 
 
-def overrides(k: int, devices: int, tunix: str, clip: float) -> dict[str, object]:
-    """The config: a tiny model, SGD, one step, ``k`` micro-batches over ``devices``; MaxText's
-    clipping of the window's gradient norm to ``clip`` (0: none; MaxText's default is 1)."""
+def overrides(k: int, devices: int, tunix: str, clip: float, lr: float) -> dict[str, object]:
+    """The config: a tiny model, SGD at ``lr``, one step, ``k`` micro-batches over ``devices``;
+    MaxText's clipping of the window's gradient norm to ``clip`` (0: none; its default is 1)."""
     return dict(
         run_name="jaxaccum_audit", base_output_directory="/tmp/jaxaccum_maxtext", hardware="cpu",
         dataset_type="synthetic", enable_checkpointing=False, enable_tensorboard=False, steps=1,
@@ -45,7 +45,7 @@ def overrides(k: int, devices: int, tunix: str, clip: float) -> dict[str, object
         base_num_query_heads=2, base_num_kv_heads=2, head_dim=8, base_mlp_dim=32,
         base_num_decoder_layers=1, dtype="float32", weight_dtype="float32",
         attention="dot_product", enable_dropout=False, packing=False, opt_type="sgd",
-        learning_rate=rows_lib.LEARNING_RATE, warmup_steps_fraction=0.0,
+        learning_rate=lr, warmup_steps_fraction=0.0,
         learning_rate_final_fraction=1.0, gradient_clipping_threshold=clip,
         gradient_accumulation_steps=k, use_tunix_gradient_accumulation=tunix,
     )  # fmt: skip
@@ -63,7 +63,7 @@ class Step:
 
 
 @functools.cache
-def step(k: int, devices: int, tunix: str, clip: float) -> Step:
+def step(k: int, devices: int, tunix: str, clip: float, lr: float = rows_lib.LEARNING_RATE) -> Step:
     """MaxText's own set-up of ``train_loop`` (``trainers/pre_train/train.py:1139-1194``)."""
     import maxtext
     from flax import nnx
@@ -73,7 +73,7 @@ def step(k: int, devices: int, tunix: str, clip: float) -> Step:
 
     config_file = pathlib.Path(maxtext.__file__).parent / "configs" / "base.yml"
     argv = ["", str(config_file)] + [
-        f"{n}={v}" for n, v in overrides(k, devices, tunix, clip).items()
+        f"{n}={v}" for n, v in overrides(k, devices, tunix, clip, lr).items()
     ]
     config = pyconfig.initialize(argv)
     set_up = train_utils.setup_train_loop(config, None)
@@ -163,13 +163,25 @@ def audit(k: int, devices: int, route: str, clip: float = 0.0):
 
     run = step(k, devices, ROUTES[route], clip)
     params = params_of(run.graphdef, run.state)
-    window_fn = lambda params, microbatches, optimizer: train_one_update(run, params, microbatches)
+
+    def window_fn(params, microbatches, optimizer):  # MaxText's SGD, at the audit's rate
+        run = step(k, devices, ROUTES[route], clip, sgd_rate(optimizer))
+        return train_one_update(run, params, microbatches)
+
     with standard_numerics(), jax.set_mesh(run.mesh):
         return jaxaccum.audit.audit_window(
             window_fn, functools.partial(reference_loss, run=run), params,
             rows_lib.skewed_rows(), k=k, num_devices=devices,
             learning_rate=rows_lib.LEARNING_RATE, max_grad_norm=clip or math.inf, progress=False,
         )  # fmt: skip
+
+
+def sgd_rate(optimizer) -> float:
+    """The learning rate of the ``optax.sgd`` the audit passes: minus its update of a 1."""
+    import jax.numpy as jnp
+
+    updates, _ = optimizer.update(jnp.ones(()), optimizer.init(jnp.zeros(())))
+    return -float(updates)
 
 
 ROWS_LINE = "jax_trainers rows: "

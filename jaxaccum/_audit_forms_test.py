@@ -155,3 +155,12 @@ def test_a_window_clipped_once_is_invariant_and_one_clipped_per_micro_batch_is_n
     assert "the max_grad_norm you passed: the whole batch clipped to it" in str(report), report
     report = invariance(clipped_each, [(2, 1), (4, 1)])
     assert not report.invariant and report.worst > 0.1, report  # percents, not rounding
+
+
+def test_invariance_refuses_rows_whose_items_are_all_equal():
+    # a mean of means is the mean when every micro-batch holds as many items: on such rows
+    # every cut gives the one-batch update, and the audit used to say INVARIANT
+    with pytest.raises(ValueError, match="every row holds 3 items"):
+        jaxaccum.audit.audit_invariance(
+            clipped_each, PARAMS, FULL, cuts=[(2, 1)], row_items=[3] * 16, progress=False
+        )

@@ -95,15 +95,15 @@ def test_a_loop_that_donates_its_params_is_audited():
         err = (batch["x"] @ params["w"] - batch["y"]) ** 2
         return jnp.sum(err * batch["mask"]), jnp.sum(batch["mask"])
 
-    tx = jaxaccum.multi_steps(optax.sgd(1.0), K)
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def micro_step(params, state, mb):
-        (loss_sum, num_items), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
-        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
-        return optax.apply_updates(params, updates), state
-
     def window_fn(params, microbatches, optimizer):  # donates the copy it receives
+        tx = jaxaccum.multi_steps(optimizer, K)
+
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def micro_step(params, state, mb):
+            (loss_sum, num_items), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+            updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
+            return optax.apply_updates(params, updates), state
+
         state = tx.init(params)
         for mb in microbatches:
             params, state = micro_step(params, state, mb)

@@ -256,12 +256,80 @@ def elementwise_clip_window(params, microbatches, optimizer):
     return sgd_step(params, tree_sum(grads), optimizer)
 
 
-@pytest.mark.parametrize("window_fn", [adam_window, elementwise_clip_window], ids=["adam", "clip"])
-def test_a_loop_that_is_no_reweighting_is_unknown_with_a_large_residual(window_fn):
-    report = audit(window_fn, k=K)
+def test_a_loop_that_is_no_reweighting_is_unknown_with_a_large_residual():
+    report = audit(elementwise_clip_window, k=K)
     assert report.verdict == "unknown" and not report.passed
     assert report.residual >= RESIDUAL_MIN, report
     assert "not a reweighting" in str(report), report
+
+
+def step_per_microbatch(loss_fn):
+    """A loop of ``loss_sum / N`` per micro-batch and an SGD step after each: no accumulation."""
+
+    def window_fn(params, microbatches, optimizer):
+        n = sum(loss_fn(params, mb)[1] for mb in microbatches)
+        state = optimizer.init(params)
+        for mb in microbatches:
+            grads = jax.grad(lambda p, mb=mb: loss_fn(p, mb)[0] / n)(params)
+            updates, state = optimizer.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+        return params
+
+    return window_fn
+
+
+def carried_sum_window():
+    """The big batch, with a gradient sum that is never reset: the next window adds it in."""
+    carried = []
+
+    def window_fn(params, microbatches, optimizer):
+        grads = [jax.grad(lambda p, mb=mb: tiny_lm_loss(p, mb)[0])(params) for mb in microbatches]
+        carried.extend(grads)
+        n = sum(tiny_lm_loss(params, mb)[1] for mb in microbatches)
+        return sgd_step(params, jax.tree.map(lambda g: g / n, tree_sum(carried)), optimizer)
+
+    return window_fn
+
+
+@pytest.mark.parametrize(
+    "window_fn, learning_rate, match",
+    [  # Adam's first step is ~ -lr sign(g) whatever lr the audit passes: it is not SGD's
+        (adam_window, 1.0, "does not use the optimizer the audit passes"),
+        (step_per_microbatch(tiny_lm_loss), 0.05, "steps more than once per window"),
+        # the second run adds in the first's gradients: the first over 8 is half of it
+        (carried_sum_window(), 1.0, r"learning rate by 5\.0e-01"),
+    ],
+    ids=["adam", "step per micro-batch", "carried sum"],
+)
+def test_a_loop_whose_update_is_not_lr_times_its_window_gradient_is_refused(
+    window_fn, learning_rate, match
+):
+    with pytest.raises(ValueError, match=f"not proportional to the learning rate.*{match}"):
+        audit(window_fn, k=K, learning_rate=learning_rate)
+
+
+def linear_loss(params, batch):
+    """A masked linear regression: a SUM over valid tokens, and their count."""
+    err = (batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2
+    return jnp.sum(err * batch["mask"]), jnp.sum(batch["mask"])
+
+
+def test_stepping_per_micro_batch_at_a_small_learning_rate_no_longer_passes():
+    # zero parameters (nothing to round) and lr 1e-4: the steps compound by ~1e-4 of the
+    # update, within the fit's 1e-3, and the audit used to say PASSED, exact (the red team's)
+    rng = np.random.default_rng(0)
+    tokens = np.array([0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12])
+    batch = {
+        "x": rng.normal(size=(16, 12, 16)).astype(np.float32),
+        "y": rng.normal(size=(16, 12)).astype(np.float32),
+        "mask": (np.arange(12) < tokens[:, None]).astype(np.float32),
+    }
+    params = {"w": jnp.zeros(16), "b": jnp.zeros(())}
+    with pytest.raises(ValueError, match="steps more than once per window"):
+        jaxaccum.audit.audit_window(
+            step_per_microbatch(linear_loss), linear_loss, params, batch, k=4,
+            learning_rate=1e-4, progress=False,
+        )  # fmt: skip
 
 
 # ---- arguments ----------------------------------------------------------------------------------

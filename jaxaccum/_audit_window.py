@@ -50,7 +50,10 @@ def audit_window(
         with ``short_window``) with a leading row axis, each global over
         ``num_devices`` devices: device ``r`` owns rows ``[r * p, (r + 1) * p)``
         (contiguous slices, how ``jax.device_put(..., P("data"))`` splits them).
-        ``optimizer`` is ``optax.sgd(learning_rate)``; your code must use it.
+        ``optimizer`` is ``optax.sgd(learning_rate)``; your code must use it. It
+        runs twice from ``params``, the first time with ``bigbatch.LR_SCALE`` x
+        the learning rate, where it must move that many times further (one step
+        per window, nothing kept from the run before); else a ``ValueError``.
       loss_fn: the reference loss, ``loss_fn(params, batch) -> (loss_sum,
         num_items)``: a SUM over the batch's items and their number (e.g. built
         on ``jaxaccum.losses.causal_lm``). Both must add up over rows.
@@ -136,19 +139,33 @@ def audit_window(
 
 
 def _update(window_fn, params, batch, layout, learning_rate, **window_kwargs) -> list[np.ndarray]:
-    """Your loop's parameter change ``new - old``, per leaf (`bigbatch.parameter_change`)."""
+    """Your loop's parameter change ``new - old``, per leaf (`bigbatch.parameter_change`).
+
+    The loop runs twice from ``params``, the first time at ``bigbatch.LR_SCALE`` x the
+    learning rate: a loop whose update there is not that many times the second's carries
+    something over, or steps per micro-batch (`bigbatch.check_proportional`).
+    """
     microbatches = [
         jax.tree.map(lambda x, m=m: x[layout.microbatch_rows(m)], batch)
         for m in range(layout.k_window)
     ]
     reference = jax.tree.leaves(params)
-    own = jax.tree.map(_copy, params)  # the loop's to change
-    new_params = window_fn(own, microbatches, optax.sgd(learning_rate), **window_kwargs)
-    del own
-    _check_untouched(params, reference)
-    new_leaves = jax.tree.leaves(_check_new_params(new_params, params))
-    del new_params
-    return bigbatch.parameter_change(new_leaves, reference)
+
+    def run(lr: float) -> list:  # the new parameters' leaves
+        own = jax.tree.map(_copy, params)  # the loop's to change
+        new_params = window_fn(own, microbatches, optax.sgd(lr), **window_kwargs)
+        del own
+        _check_untouched(params, reference)
+        return jax.tree.leaves(_check_new_params(new_params, params))
+
+    scaled = bigbatch.sampled_change(run(learning_rate * bigbatch.LR_SCALE), reference)
+    change = bigbatch.parameter_change(run(learning_rate), reference)
+    eps = [float(jnp.finfo(x.dtype).eps) for x in reference]
+    rounding = bigbatch.sampled_rounding(reference, eps)
+    carried = "a gradient sum or a buffer kept between windows, a schedule's count"
+    sampled = [bigbatch.sample(d) for d in change]
+    bigbatch.check_proportional(scaled, sampled, rounding, carried)
+    return change
 
 
 def _copy(x: Any) -> Any:

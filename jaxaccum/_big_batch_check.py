@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 import bigbatch
-from jaxaccum._audit_window import params_rounding
+from jaxaccum._audit_window import _check_sums, _row_values, params_rounding
 
 BIG_BATCH_RTOL = 1e-4
 """The default tolerance on the relative difference, for float32 parameters and gradients:
@@ -115,7 +115,8 @@ def check_big_batch(
 
     Raises:
       ValueError: an argument out of its range (each error names it), a window
-        without items, or an update not shaped like ``params``.
+        without items, a ``loss_fn`` that does not add up over the rows of the
+        first micro-batch (a mean), or an update not shaped like ``params``.
 
     Returns:
       A :class:`BigBatchCheck`; ``print`` it for one line.
@@ -133,6 +134,8 @@ def check_big_batch(
     """
     _check(microbatches, learning_rate, rtol)
     max_grad_norm = bigbatch.check_max_grad_norm(max_grad_norm)
+    first = microbatches[0]  # a sum over rows, or the big batch is not one (a mean: refused)
+    _check_sums(loss_fn, params, first, *_row_values(loss_fn, params, first))
     big, window_items, grad_norm = _big_batch_update(
         loss_fn, params, microbatches, learning_rate, max_grad_norm
     )

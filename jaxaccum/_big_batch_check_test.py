@@ -144,3 +144,15 @@ def test_a_window_without_items_is_refused(window):
     update = jax.tree.map(np.zeros_like, params)
     with pytest.raises(ValueError, match="microbatches: the window holds no item"):
         jaxaccum.audit.check_big_batch(update, loss_fn, params, empty)
+
+
+def test_a_reference_loss_that_is_a_mean_is_refused(window):
+    # a mean-of-means update measured against a mean loss with 1 "item" per micro-batch
+    # would pass: the reference itself must be the sum over rows (as audit_window's is)
+    params, microbatches = window
+    mean = lambda p, batch: (lambda s, n: (s / jax.numpy.maximum(n, 1.0), jax.numpy.ones(())))(
+        *loss_fn(p, batch)
+    )
+    update = jax.tree.map(np.zeros_like, params)
+    with pytest.raises(ValueError, match="loss_fn: expected a summed loss whose num_items adds up"):
+        jaxaccum.audit.check_big_batch(update, mean, params, microbatches, learning_rate=LR)

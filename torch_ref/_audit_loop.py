@@ -2,10 +2,12 @@
 
 `torch_ref.audit.audit_window` and `audit_invariance` run ``window_fn`` twice per window
 they audit, from the same parameters, with the ``torch.optim.SGD`` the audit hands over,
-and refuse a loop whose two updates differ (it carries something over, unzeroed
-gradients); on ``R > 1`` ranks each rank gets its cells (`bigbatch.CellLayout`: rank ``r``
-the cells of device ``r``), the model under ``DistributedDataParallel``, and the ranks must
-end with one set of parameters. The Hugging Face and TRL audits run their trainers on the
+the first time at ``bigbatch.LR_SCALE`` x its learning rate, and refuse a loop whose
+update there is not that many times the second's (`bigbatch.check_proportional`: it
+carries something over, unzeroed gradients, or steps per micro-batch); on ``R > 1``
+ranks each rank gets its cells (`bigbatch.CellLayout`: rank ``r`` the cells of device
+``r``), the model under ``DistributedDataParallel``, and the ranks must end with one set
+of parameters. The Hugging Face and TRL audits run their trainers on the
 same ranks (`torch_ref._trainer_runs`).
 """
 
@@ -37,36 +39,35 @@ def _step(
     window_fn: WindowFn, model: nn.Module, microbatches: list[Batch], lr: float
 ) -> list[np.ndarray]:
     """Your loop for the audited update, with the SGD the audit hands over, twice from the
-    same parameters, as a training loop runs it: the second after an update of its own, with
-    what that one left behind (gradients it did not zero). Returns the parameters after the
-    first; the model holds those after the second (`_check_repeatable` compares them)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    same parameters, as a training loop runs it: first at ``bigbatch.LR_SCALE`` x the
+    learning rate, then at it, after an update of its own and with what that one left
+    behind (gradients it did not zero). Returns the first run's change at
+    `bigbatch.sample`'s elements; the model holds the parameters of the second, the
+    audited update (`_check_repeatable` compares the two)."""
     start = [p.detach().clone() for p in model.parameters()]
-    window_fn(model, optimizer, microbatches)
-    first = [x.copy() for x in _numpy(_parameters(model))]  # views: copied before the reset
+    window_fn(model, torch.optim.SGD(model.parameters(), lr=lr * bigbatch.LR_SCALE), microbatches)
+    scaled = bigbatch.sampled_change(_numpy(_parameters(model)), [_numpy([s])[0] for s in start])
     with torch.no_grad():
         for p, value in zip(model.parameters(), start, strict=True):
             p.copy_(value)
-    window_fn(model, optimizer, microbatches)
-    return first
+    del start
+    window_fn(model, torch.optim.SGD(model.parameters(), lr=lr), microbatches)
+    return scaled
 
 
-def _check_repeatable(first: list[np.ndarray], second: list[np.ndarray], old: list) -> None:
-    """Refuses a loop whose update from the same parameters and rows changes with the update
-    before it (what it carries over would weigh on every later update)."""
-    norm = lambda change: float(
-        np.sqrt(sum(np.sum(np.square(d, dtype=np.float64)) for d in change))
+def _check_repeatable(scaled: list[np.ndarray], new: list[np.ndarray], old: list) -> None:
+    """Refuses a loop whose change at ``bigbatch.LR_SCALE`` x the learning rate is not that many
+    times its change at it: what it carries over would weigh on every later update; a step
+    per micro-batch is not one window's update."""
+    change = bigbatch.sampled_change(list(new), _numpy(old))
+    eps = [torch.finfo(p.dtype).eps for p in old]
+    carried = (
+        "gradients it does not zero: call optimizer.zero_grad() after optimizer.step(), or"
+        " before the window's first backward; a learning-rate scheduler kept across windows"
     )
-    moved = norm(bigbatch.parameter_change(list(first), _numpy(old)))
-    gap = norm(bigbatch.parameter_change(list(second), first))
-    if moved > 0 and not gap <= bigbatch.RESIDUAL_RTOL * moved:
-        raise ValueError(
-            "window_fn: your loop's update depends on the update before it: run twice from"
-            f" the same parameters on the same rows, its second update differs from its first"
-            f" by {gap / moved:.1e} of it. It carries something over: gradients it does not"
-            " zero are added into the next update (call optimizer.zero_grad() after"
-            " optimizer.step(), or before the window's first backward)."
-        )
+    bigbatch.check_proportional(
+        scaled, change, bigbatch.sampled_rounding(_numpy(old), eps), carried
+    )
 
 
 def _window_here(
@@ -75,10 +76,10 @@ def _window_here(
     """One rank, in this process, on a copy of the model; the parameters after the update."""
     old = _parameters(model)
     model = copy.deepcopy(model)
-    first = _step(window_fn, model, _microbatches(batch, layout, 0), lr)
+    scaled = _step(window_fn, model, _microbatches(batch, layout, 0), lr)
     model.zero_grad(set_to_none=True)  # the copy's gradients: freed before the audit goes on
     new = _numpy(_parameters(model))
-    _check_repeatable(first, new, old)
+    _check_repeatable(scaled, new, old)
     return new
 
 
@@ -96,7 +97,7 @@ def _window_on_ranks(
         layout.num_devices, _rank_window, model, per_rank, window_fn, lr, timeout_s=timeout_s
     )
     new = _same_on_every_rank(results, _parameters(model), "window_fn")
-    _check_repeatable(results[0].first, new, _parameters(model))
+    _check_repeatable(results[0].scaled, new, _parameters(model))
     return new
 
 
@@ -104,8 +105,8 @@ def _rank_window(rank, world_size, model, per_rank, window_fn, lr) -> RankParame
     """One rank of `_window_on_ranks`: DDP around its own copy of the model, its cells."""
     del world_size
     wrapped = nn.parallel.DistributedDataParallel(model)
-    first = _step(window_fn, wrapped, per_rank[rank], lr)
-    return _rank0_parameters(rank, model)._replace(first=first if rank == 0 else None)
+    scaled = _step(window_fn, wrapped, per_rank[rank], lr)
+    return _rank0_parameters(rank, model)._replace(scaled=scaled if rank == 0 else None)
 
 
 def _on_ranks(
@@ -139,7 +140,7 @@ class RankParameters(NamedTuple):
 
     params: list[np.ndarray] | None
     distance_sq: float
-    first: list[np.ndarray] | None = None  # audit_window: rank 0's after its loop's first run
+    scaled: list[np.ndarray] | None = None  # rank 0's first run's change, sampled (`_step`)
 
 
 def _rank0_parameters(rank: int, model: nn.Module) -> RankParameters:

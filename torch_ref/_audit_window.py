@@ -61,7 +61,10 @@ def audit_window(
         ranks (CPU, 127.0.0.1) with ``model`` wrapped in
         ``DistributedDataParallel``; it must then be picklable (a module-level
         function, or a ``functools.partial`` of one). It runs on a copy: ``model``
-        is left as it was.
+        is left as it was. It runs twice from the same parameters, the first
+        time with ``bigbatch.LR_SCALE`` x the learning rate, where it must move
+        that many times further (one step per window, no gradients kept from the
+        run before); else a ``ValueError``.
       loss_fn: the reference loss, ``loss_fn(model, batch) -> (loss_sum,
         num_items)``: a SUM over the batch's items and their number (e.g.
         `torch_ref.causal_lm_loss_sum` of the model's logits). Both must add up

@@ -1,0 +1,72 @@
+"""Your loop run twice from the same parameters, the first time at ``LR_SCALE`` x the
+learning rate: an accumulation that steps once per window moves ``LR_SCALE`` x as far.
+
+The audit fits the second run. The first catches what one window cannot show: a loop
+that carries something over to the next update (gradients it does not zero, a buffer,
+a schedule kept across windows) and a loop that steps more than once per window (its
+update is not linear in the learning rate: at small learning rates it fits the big
+batch within the fit's tolerances). The two changes are compared at a sample of every
+leaf's elements, so that the first run's change is not held in full while the second
+runs (the audit's memory stays that of one run).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from bigbatch._products import parameter_change
+from bigbatch._tolerances import LINEAR_RTOL
+
+LR_SCALE = 8
+"""The first run's learning rate over the audited one (a power of two: ``8 lr g`` is
+exactly ``8 (lr g)`` in floating point)."""
+SAMPLE = 1 << 16
+"""The most elements of a leaf compared (every ``s``-th); a leaf of fewer, all of them."""
+
+
+def sample(leaf) -> np.ndarray:
+    """Every ``s``-th element of a leaf, ``SAMPLE`` of them at most, in float64 (a copy)."""
+    flat = np.ravel(np.asarray(leaf))
+    return flat[:: max(1, -(-flat.size // SAMPLE))].astype(np.float64)
+
+
+def sampled_change(new: list, old: Sequence) -> list[np.ndarray]:
+    """``new - old`` (`parameter_change`) at `sample`'s elements; ``new`` is CONSUMED."""
+    return [sample(parameter_change([new.pop(0)], [old_leaf])[0]) for old_leaf in old]
+
+
+def sampled_rounding(old: Sequence, eps: Sequence[float]) -> float:
+    """``|eps * old|`` at `sample`'s elements (``eps`` of each leaf's dtype): a change read
+    back as ``new - old`` is within half of it."""
+    terms = [
+        (e * float(np.linalg.norm(sample(leaf)))) ** 2 for leaf, e in zip(old, eps, strict=True)
+    ]
+    return math.sqrt(sum(terms))
+
+
+def check_proportional(scaled: list, change: list, rounding: float, carried: str) -> None:
+    """Refuses a loop whose change at ``LR_SCALE`` x the learning rate (``scaled``, the first
+    run) is not ``LR_SCALE`` x its change at the learning rate (``change``, the second).
+
+    Both are `sampled_change`\\ s of the same parameters; ``rounding`` is their
+    `sampled_rounding`; ``carried`` says what such a loop may carry over, in the
+    framework's words.
+    """
+    pairs = zip(scaled, change, strict=True)
+    gap = math.sqrt(sum(float(np.sum((s / LR_SCALE - c) ** 2)) for s, c in pairs))
+    moved = math.sqrt(sum(float(np.sum(c**2)) for c in change))
+    allowed = LINEAR_RTOL * moved + rounding
+    if not (0 < moved < math.inf) or gap <= allowed:
+        return  # nothing moved, or a NaN: the fit says so
+    raise ValueError(
+        "window_fn: your loop's update is not proportional to the learning rate. Run from"
+        f" the same parameters on the same rows with {LR_SCALE}x the learning rate first,"
+        f" its update over {LR_SCALE} differs from the update at the learning rate by"
+        f" {gap / moved:.1e} of it (at most {allowed / moved:.1e} for one step per window)."
+        f" It carries something over from the update before ({carried}), steps more than"
+        " once per window (an optimizer step per micro-batch), or does not use the optimizer"
+        " the audit passes it."
+    )
