@@ -125,9 +125,21 @@ class AuditReport(WindowShape):
 
     @property
     def unconfirmed(self) -> bool:
-        """``exact``, clipped once, with no ``max_grad_norm`` passed: a clip or a uniform scale
-        error, which the audit cannot tell apart (``summary`` says NOT CONFIRMED)."""
-        return self.verdict == EXACT and self.clipped_once and self.max_grad_norm is None
+        """``exact``, but the audit cannot rule out a bug (``summary`` says NOT CONFIRMED):
+        clipped once with no ``max_grad_norm`` passed (a clip or a uniform scale error), or a
+        whole micro-batch or device without items (a loop that drops it reads the same)."""
+        clip_or_scale = self.clipped_once and self.max_grad_norm is None
+        return self.verdict == EXACT and (clip_or_scale or bool(self.unchecked))
+
+    @property
+    def unchecked(self) -> list[str]:
+        """The micro-batches (on every device) and the devices (in every micro-batch) without
+        items: their weight is unknown, so a loop that drops them cannot be told."""
+        num_devices, k_window = self.items.shape
+        empty = self.items == 0
+        micro_batches = [f"micro-batch {m}" for m in range(k_window) if empty[:, m].all()]
+        devices = [f"device {r}" for r in range(num_devices) if empty[r].all()]
+        return (micro_batches if k_window > 1 else []) + (devices if num_devices > 1 else [])
 
     @property
     def clipped_once(self) -> bool:

@@ -99,3 +99,26 @@ def test_assert_report_passed_reads_well_in_a_users_pytest(tmp_path):
         " print(report) for the table)"
     )
     assert expected in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize(
+    "empty, unchecked",
+    [((slice(None), 0), ["micro-batch 0"]), ((1, slice(None)), ["device 1"])],
+    ids=["micro-batch", "device"],
+)
+def test_an_exact_window_with_a_whole_micro_batch_or_device_empty_is_not_confirmed(
+    empty, unchecked
+):
+    # a loop that drops micro-batch 0 (its accumulator overwritten) or device 1 (an
+    # all-reduce forgotten) weighs the items it sees like the big batch: it used to pass
+    items = ITEMS.copy()
+    items[empty] = 0.0
+    report = report_of(np.where(items > 0, 1.0, np.nan), items, k=4)
+    assert report.verdict == "exact" and report.unchecked == unchecked
+    assert not report.passed and report.unconfirmed
+    assert report.summary().startswith("NOT CONFIRMED, exact") and unchecked[0] in report.summary()
+    # one empty cell alone leaves its micro-batch and its device checked elsewhere
+    items = ITEMS.copy()
+    items[0, 0] = 0.0
+    report = report_of(np.where(items > 0, 1.0, np.nan), items, k=4)
+    assert report.passed and report.unchecked == []

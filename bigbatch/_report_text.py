@@ -86,6 +86,13 @@ def headline(report: AuditReport) -> str:
         )
     if report.verdict == EXACT:
         unclipped = "" if report.clip_kept is not False else ", but it does not clip it"
+        unchecked = " and ".join(report.unchecked)
+        if unchecked:
+            them = "them" if len(report.unchecked) > 1 else "it"
+            unclipped += (
+                f"; {unchecked} held no item: a loop that drops {them} would read the same"
+                " (audit rows with fewer empty ones)"
+            )
         return (
             f"your loop weighs every item like the big batch (within"
             f" {report.max_weight_error:.1e}){unclipped}"
@@ -193,6 +200,8 @@ def _clip_notes(report: AuditReport) -> list[str]:
         return _micro_batch_clip_notes(report, threshold)
     if report.verdict == UNKNOWN or report.max_grad_norm is None:
         return []
+    if math.isinf(report.max_grad_norm):  # "your loop does not clip": nothing to compare
+        return [f"the window's gradient norm |g| = {report.grad_norm:#.4g}, not clipped"]
     side = "below" if report.grad_norm <= report.max_grad_norm else "above"
     effect = "no clip at these parameters" if report.clip_kept else "yet it was not clipped"
     return [
