@@ -65,6 +65,7 @@ from bigbatch._repeat import (
 from bigbatch._report import AuditReport
 from bigbatch._tolerances import (
     CLIP_RTOL,
+    FIT_NOISE,
     ITEMS_RTOL,
     LINEAR_RTOL,
     LOSS_RTOL,
@@ -83,6 +84,7 @@ __all__ = [
     "CLIP_RTOL",
     "COUNT_FORMS",
     "EXACT",
+    "FIT_NOISE",
     "FIXES",
     "FORMULAS",
     "FORM_NAMES",

@@ -173,7 +173,7 @@ def invariance_report(
         one_batch_norm=float(norms[0] / learning_rate),
         max_grad_norm=check_max_grad_norm(max_grad_norm),
     )
-    report = dataclasses.replace(report, note=_clip_note(report))
+    report = dataclasses.replace(report, note=_joined(_clip_note(report), _equal_rows(report)))
     if row_grad is None:
         return report
     rows = np.argwhere(report.row_items > 0)
@@ -193,6 +193,20 @@ def invariance_report(
                        " reweighting of the rows' gradients (e.g. a term the rows' gradients do"
                        " not hold); its weights are the closest fit")  # fmt: skip
     return dataclasses.replace(report, weights=weights, residuals=residuals, note=note)
+
+
+def _equal_rows(report: InvarianceReport) -> str:
+    """Rows of equal items: each cut's micro-batches hold as many, so a normalization per
+    micro-batch or per device by them cannot show ("" where the items differ)."""
+    items = report.row_items
+    if items.size < 2 or np.any(items != items[0]):
+        return ""
+    return (
+        f"every row holds {items[0]:g} items: a loop that normalizes per micro-batch or per"
+        " device by them gives every cut the same update on these rows (a mean of means is"
+        " then the mean); rows whose items differ tell it (unless every row always holds as"
+        " many, as a GRPO group holds its G completions)"
+    )
 
 
 def _joined(*notes: str) -> str:

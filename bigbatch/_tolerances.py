@@ -41,6 +41,9 @@ WEIGHT_RTOL = 1e-3
 """The largest relative distance of a recovered weight from its form's."""
 SEPARATION = 0.05
 """The least relative difference from the big batch that the layout gives every checkable bug."""
+FIT_NOISE = 1e-5
+"""The largest distance of a float32 loop's weights from its own form (measured ~1e-7 to
+1e-6): a form further off that another fits 10x better is not the verdict."""
 MAX_CONDITION = 1e4
 """The largest condition number of the cells' gradients the fit accepts."""
 MAX_ROUNDING = 1e-4
