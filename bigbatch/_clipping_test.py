@@ -46,10 +46,12 @@ def test_the_window_clipped_once_is_exact_with_its_scale_and_norm(num_devices):
     report = run(layout, grads, np.where(layout.items > 0, 0.6, np.nan), max_grad_norm=2 * c)
     assert report.verdict == "exact" and not report.passed and report.clip_kept is False
     assert f"(not the max_grad_norm {2 * c:g} you passed)" in report.summary()
-    # a loop that does not clip (max_grad_norm=inf): the uniform 0.6 is a bug
+    # a loop that does not clip (max_grad_norm=inf): the uniform 0.6 is a bug, read as no clip
     report = run(layout, grads, np.where(layout.items > 0, 0.6, np.nan), max_grad_norm=math.inf)
-    assert not report.passed and report.clip_kept is False
-    assert report.summary().startswith("FAILED, exact") and "does not clip" in report.summary()
+    assert not report.passed and report.verdict == "unknown" and report.clip_scale == 1.0
+    assert (
+        report.summary() == "FAILED, unknown: your loop weighs every item at 0.600x the big batch"
+    )
 
 
 def test_a_threshold_the_window_stays_below_and_one_it_ignores():

@@ -161,8 +161,9 @@ def _verdict(
     if not (applied > 0 and residual <= RESIDUAL_RTOL):  # nothing moved, NaN, no reweighting
         return _Verdict(UNKNOWN, ())
     unclipped = _best_first(tuple(name for name in forms if errors[name] <= WEIGHT_RTOL), errors)
-    clipped = window_clipped(weights, layout, forms)
-    clips = max_grad_norm is not None and math.isfinite(max_grad_norm)  # inf: it does not
+    no_clip = max_grad_norm is not None and math.isinf(max_grad_norm)  # you said it does not
+    clipped = () if no_clip else window_clipped(weights, layout, forms)
+    clips = max_grad_norm is not None and math.isfinite(max_grad_norm)
     at_threshold = clips and abs(applied - max_grad_norm) <= CLIP_RTOL * max_grad_norm
     if unclipped and not (at_threshold and clipped):
         return _Verdict(unclipped[0], unclipped, expected_weights(unclipped[0], layout))

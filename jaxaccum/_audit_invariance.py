@@ -110,7 +110,9 @@ def audit_invariance(
 
     def run(layout):  # the loop on the cut's rows (and told its device count, if it must be)
         kwargs = {"num_devices": layout.num_devices} if devices else {}
-        return _update_on(window_fn, params, batch, layout, learning_rate, **kwargs)
+        # once per cut: a loop that steps per micro-batch or carries something over moves
+        # with the cut, which the cuts show (audit_window runs its loop twice to see them)
+        return _update_on(window_fn, params, batch, layout, learning_rate, repeat=False, **kwargs)
 
     one_batch = run(bigbatch.layout_rows(items, k=1, num_devices=1))
     updates = [run(layout) for layout in layouts]

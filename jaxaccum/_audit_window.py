@@ -138,12 +138,15 @@ def audit_window(
     )
 
 
-def _update(window_fn, params, batch, layout, learning_rate, **window_kwargs) -> list[np.ndarray]:
+def _update(
+    window_fn, params, batch, layout, learning_rate, repeat=True, **window_kwargs
+) -> list[np.ndarray]:
     """Your loop's parameter change ``new - old``, per leaf (`bigbatch.parameter_change`).
 
-    The loop runs twice from ``params``, the first time at ``bigbatch.LR_SCALE`` x the
-    learning rate: a loop whose update there is not that many times the second's carries
-    something over, or steps per micro-batch (`bigbatch.check_proportional`).
+    With ``repeat`` the loop runs twice from ``params``, the first time at
+    ``bigbatch.LR_SCALE`` x the learning rate: a loop whose update there is not that many
+    times the second's carries something over, or steps per micro-batch
+    (`bigbatch.check_proportional`).
     """
     microbatches = [
         jax.tree.map(lambda x, m=m: x[layout.microbatch_rows(m)], batch)
@@ -158,6 +161,8 @@ def _update(window_fn, params, batch, layout, learning_rate, **window_kwargs) ->
         _check_untouched(params, reference)
         return jax.tree.leaves(_check_new_params(new_params, params))
 
+    if not repeat:
+        return bigbatch.parameter_change(run(learning_rate), reference)
     scaled = bigbatch.sampled_change(run(learning_rate * bigbatch.LR_SCALE), reference)
     change = bigbatch.parameter_change(run(learning_rate), reference)
     eps = [float(jnp.finfo(x.dtype).eps) for x in reference]
