@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 import bigbatch
+from jaxaccum._audit_loop import _update as _update_on
 from jaxaccum._audit_window import (
     LossFn,
     WindowFn,
@@ -18,7 +19,6 @@ from jaxaccum._audit_window import (
     _num_rows,
     _row_values,
 )
-from jaxaccum._audit_window import _update as _update_on
 
 DEFAULT_CUTS = ((2, 1), (4, 1), (2, 2), (4, 2))
 """``(k, R)``: micro-batches per device, devices."""
