@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bigbatch._products import parameter_change
+from bigbatch._products import dot, parameter_change
 from bigbatch._tolerances import LINEAR_RTOL
 
 LR_SCALE = 8
@@ -55,9 +55,8 @@ def check_proportional(scaled: list, change: list, rounding: float, carried: str
     `sampled_rounding`; ``carried`` says what such a loop may carry over, in the
     framework's words.
     """
-    pairs = zip(scaled, change, strict=True)
-    gap = math.sqrt(sum(float(np.sum((s / LR_SCALE - c) ** 2)) for s, c in pairs))
-    moved = math.sqrt(sum(float(np.sum(c**2)) for c in change))
+    gaps = [s / LR_SCALE - c for s, c in zip(scaled, change, strict=True)]
+    gap, moved = math.sqrt(dot(gaps, gaps)), math.sqrt(dot(change, change))
     allowed = LINEAR_RTOL * moved + rounding
     if not (0 < moved < math.inf) or gap <= allowed:
         return  # nothing moved, or a NaN: the fit says so

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum._sharding import AxisName, axes
+from jaxaccum._sharding import AxisName, uses
 from jaxaccum._state import MultiStepsState
 
 
@@ -88,12 +88,10 @@ def _check_param_specs(param_specs: Any, axis_name: AxisName) -> None:
         return
     is_spec = lambda x: isinstance(x, P)
     for path, spec in jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=is_spec)[0]:
-        named = {a for part in spec for a in (part if isinstance(part, tuple) else (part,))}
-        batch = sorted(named & set(axes(axis_name)))
-        if batch:
+        if uses(spec, axis_name):
             raise ValueError(
                 f"partition_specs: `param_specs` leaf {jax.tree_util.keystr(path)} is {spec},"
-                f" sharded over the batch axis {batch[0]!r}: under shard_map the parameters"
+                f" sharded over the batch axis {axis_name!r}: under shard_map the parameters"
                 " may be sharded over the mesh's other axes only (tensor parallelism). For"
                 " parameters sharded over the batch axis (FSDP), use jax.jit on an Explicit"
                 " mesh with multi_steps(..., axis_name=...) (docs/data-parallel.md)."
