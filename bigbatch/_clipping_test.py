@@ -52,6 +52,8 @@ def test_the_window_clipped_once_is_exact_with_its_scale_and_norm(num_devices):
     assert (
         report.summary() == "FAILED, unknown: your loop weighs every item at 0.600x the big batch"
     )
+    # and the note names what scales every item alike, not a clip per device or another loss
+    assert "verdict: unknown: the big batch's weights times 0.6: a divisor" in str(report)
 
 
 def test_a_threshold_the_window_stays_below_and_one_it_ignores():

@@ -44,6 +44,30 @@ def test_a_device_whose_cells_weigh_alike_is_named_as_a_device():
     assert "an item of device 0 at 1.09x the big batch, one of device 1 at 0.925x" in repr(report)
 
 
+def test_a_known_form_off_by_one_factor_is_named_with_the_factor():
+    # a mean per micro-batch over all devices, never divided by k: 4 x mean_of_global_means,
+    # a form of its own nowhere; the note names the form it is a multiple of, and the factor
+    weights = 4.0 * bigbatch.form_weights("mean_of_global_means", ITEMS, k=4)
+    report = report_of(weights, ITEMS, k=4)
+    assert report.verdict == "unknown"
+    assert "verdict: unknown: mean_of_global_means's weights times 4: a divisor" in str(report)
+    # gradients summed over the 2 devices twice: every item at 2x, the big batch's times 2
+    report = report_of(2.0 * np.ones_like(ITEMS), ITEMS, k=4)
+    assert report.summary() == "FAILED, unknown: your loop weighs every item at 2.00x the big batch"
+    assert "verdict: unknown: the big batch's weights times 2: a divisor" in str(report)
+    # a zero_grad inside the window: only the last micro-batch reaches the update
+    weights = np.zeros_like(ITEMS)
+    weights[:, 3] = ITEMS.sum() / ITEMS[:, 3].sum()
+    assert (
+        "verdict: unknown: micro-batches 0, 1, 2 on every device weighed 0: a gradient that"
+        " never reached the update" in str(report_of(weights, ITEMS, k=4))
+    )
+    # no form times any factor: the closest form and how far it is
+    weights = np.ones_like(ITEMS)
+    weights[1, 3] = 12.3
+    assert "a reweighting, but of no known form (closest: " in str(report_of(weights, ITEMS, k=4))
+
+
 def test_the_table_has_a_row_per_cell_and_the_notes():
     items = np.array([[3.0, 5.0, 2.0, 7.0], [0.0, 1.0, 6.0, 20.0]])  # a cell without items
     report = report_of(bigbatch.form_weights("mean_of_means", items, k=4), items, k=4)

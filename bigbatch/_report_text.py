@@ -7,7 +7,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bigbatch._forms import CLIPPED_PER_MICRO_BATCH, EXACT, FIXES, UNKNOWN, WHAT_IT_DOES
+from bigbatch._clipping import scaled_error
+from bigbatch._forms import (
+    CLIPPED_PER_MICRO_BATCH,
+    EXACT,
+    FIXES,
+    UNKNOWN,
+    WHAT_IT_DOES,
+    form_weights,
+)
 
 if TYPE_CHECKING:
     from bigbatch._report import AuditReport
@@ -26,6 +34,14 @@ def _cell_name(report: AuditReport, r: int, m: int) -> str:
     if device.size > 1 and np.ptp(device) <= report.weight_tolerance * np.max(np.abs(device)):
         return f"device {r}"
     return f"device {r}, micro-batch {m}"
+
+
+def _uniform_weight(report: AuditReport) -> float | None:
+    """The one weight every item of the window has (within the tolerance), or None."""
+    w = report.weights[np.isfinite(report.weights)]
+    if w.size and np.ptp(w) <= report.weight_tolerance * np.max(np.abs(w)):
+        return float(np.mean(w))
+    return None
 
 
 def _extremes(report: AuditReport) -> list[tuple[int, int]]:
@@ -65,7 +81,6 @@ LOW_PRECISION_RESIDUAL = (
 
 def headline(report: AuditReport) -> str:
     """The sentence a person reads first."""
-    w = report.weights[~np.isnan(report.weights)]
     if not report.finite:
         return "your update is not finite (NaN or inf): nothing to fit"
     if not report.moved:
@@ -97,8 +112,9 @@ def headline(report: AuditReport) -> str:
             f"your loop weighs every item like the big batch (within"
             f" {report.max_weight_error:.1e}){unclipped}"
         )
-    if np.ptp(w) <= report.weight_tolerance * np.max(np.abs(w)):
-        return f"your loop weighs every item at {_times(float(w[0]))} the big batch"
+    uniform = _uniform_weight(report)
+    if uniform is not None:
+        return f"your loop weighs every item at {_times(uniform)} the big batch"
     said = [
         f"{_cell_name(report, r, m)} at {_times(float(report.weights[r, m]))}"
         for r, m in _extremes(report)
@@ -155,11 +171,57 @@ def _unknown_because(report: AuditReport) -> str:
     if not report.moved:
         return "no update: an accumulator still waiting for micro-batches gives none"
     closest = min(report.form_errors, key=report.form_errors.get)
+    dropped = _dropped_cells(report)
+    if dropped:
+        return (
+            f"{dropped} weighed 0: a gradient that never reached the update (a zero_grad or a"
+            " reset of the sums inside the window, a gradient assigned where it should be"
+            " added, a window closed early)"
+        )
+    scaled = _scaled_form(report)
+    if scaled is not None:
+        name, scale = scaled
+        weights = "the big batch's" if name == EXACT else f"{name}'s"
+        return (
+            f"{weights} weights times {scale:.4g}: a divisor or a count off by that factor (a"
+            " sum over devices taken twice, a mean over devices or micro-batches taken on top"
+            " of the window's N or left out, a loss scale not undone, a learning rate scaled),"
+            " or a clip of the window you did not tell the audit of (max_grad_norm=)"
+        )
     return (
         f"a reweighting, but of no known form (closest: {closest}, off by"
         f" {report.form_errors[closest]:.1%}): e.g. each device's micro-batch clipped by its"
         " own norm, or a loss other than the reference one"
     )
+
+
+def _dropped_cells(report: AuditReport) -> str:
+    """The cells with items that the update left out (weight 0), named: whole micro-batches
+    first, then single cells; "" if none."""
+    zero = np.abs(np.nan_to_num(report.weights, nan=1.0)) <= report.weight_tolerance
+    empty = report.items == 0
+    whole = [m for m in range(zero.shape[1]) if zero[:, m].any() and (zero | empty)[:, m].all()]
+    names = []
+    if whole:
+        plural = "es" if len(whole) > 1 else ""
+        every = " on every device" if report.num_devices > 1 else ""
+        names.append(f"micro-batch{plural} {', '.join(map(str, whole))}{every}")
+    cells = [(r, m) for r, m in np.argwhere(zero) if m not in whole]
+    names += list(dict.fromkeys(_cell_name(report, int(r), int(m)) for r, m in cells))
+    return "; ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _scaled_form(report: AuditReport) -> tuple[str, float] | None:
+    """The first known form whose weights times one factor are the fitted ones, and the factor."""
+    for name in report.form_errors:
+        if name == CLIPPED_PER_MICRO_BATCH:
+            continue
+        expected = form_weights(name, report.items, k=report.k, first_labels=report.first_labels)
+        if np.any(np.isfinite(expected) & np.isfinite(report.weights)):
+            scale, error = scaled_error(report.weights, expected)
+            if error <= report.weight_tolerance:
+                return name, scale
+    return None
 
 
 def _micro_batch_clip_notes(report: AuditReport, threshold: str) -> list[str]:

@@ -166,6 +166,7 @@ def test_a_loop_that_drops_a_micro_batch_without_items_here_fails():
     report = audit(drops_first, SKEWED, k=K)
     assert not report.passed and report.verdict != "exact", report
     assert report.max_weight_error >= 1.0 - WEIGHT_RTOL  # micro-batch 0 weighs 0, not 1/N
+    assert "verdict: unknown: micro-batch 0 weighed 0: a gradient that never reached" in str(report)
 
 
 def test_a_mean_of_means_with_an_empty_microbatch():
