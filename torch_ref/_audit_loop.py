@@ -36,15 +36,21 @@ def _microbatches(batch: Batch, layout: bigbatch.CellLayout, rank: int) -> list[
 
 
 def _step(
-    window_fn: WindowFn, model: nn.Module, microbatches: list[Batch], lr: float
+    window_fn: WindowFn,
+    model: nn.Module,
+    microbatches: list[Batch],
+    lr: float,
+    start: list[torch.Tensor] | None = None,
 ) -> list[np.ndarray]:
     """Your loop for the audited update, with the SGD the audit hands over, twice from the
     same parameters, as a training loop runs it: first at ``bigbatch.LR_SCALE`` x the
     learning rate, then at it, after an update of its own and with what that one left
     behind (gradients it did not zero). Returns the first run's change at
     `bigbatch.sample`'s elements; the model holds the parameters of the second, the
-    audited update (`_check_repeatable` compares the two)."""
-    start = [p.detach().clone() for p in model.parameters()]
+    audited update (`_check_repeatable` compares the two). ``start``: the parameters both
+    runs start from, where another model holds them already (else a copy is made)."""
+    if start is None:
+        start = [p.detach().clone() for p in model.parameters()]
     window_fn(model, torch.optim.SGD(model.parameters(), lr=lr * bigbatch.LR_SCALE), microbatches)
     scaled = bigbatch.sampled_change(_numpy(_parameters(model)), [_numpy([s])[0] for s in start])
     with torch.no_grad():
@@ -75,8 +81,9 @@ def _window_here(
 ) -> list[np.ndarray]:
     """One rank, in this process, on a copy of the model; the parameters after the update."""
     old = _parameters(model)
+    start = [p.detach() for p in model.parameters()]  # the copy's, before the update: no clone
     model = copy.deepcopy(model)
-    scaled = _step(window_fn, model, _microbatches(batch, layout, 0), lr)
+    scaled = _step(window_fn, model, _microbatches(batch, layout, 0), lr, start)
     model.zero_grad(set_to_none=True)  # the copy's gradients: freed before the audit goes on
     new = _numpy(_parameters(model))
     _check_repeatable(scaled, new, old)
