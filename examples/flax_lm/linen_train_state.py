@@ -19,6 +19,7 @@ samples as ``train.py``, 16 per update in k = 4 micro-batches, next to a plain
 
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -81,7 +82,7 @@ def loss_sum_and_items(params, apply_fn, tokens, labels):
     return jaxaccum.losses.causal_lm(apply_fn({"params": params}, tokens), labels)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)  # the state: updated in place
 def accum_step(state: AccumTrainState, tokens, labels):
     (loss_sum, num_items), grads = jax.value_and_grad(loss_sum_and_items, has_aux=True)(
         state.params, state.apply_fn, tokens, labels
@@ -89,7 +90,7 @@ def accum_step(state: AccumTrainState, tokens, labels):
     return state.apply_gradients(grads=grads, num_items=num_items, loss_sum=loss_sum)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)
 def big_batch_step(state: train_state.TrainState, tokens, labels):
     def mean_loss(params):
         loss_sum, num_items = loss_sum_and_items(params, state.apply_fn, tokens, labels)

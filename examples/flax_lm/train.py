@@ -107,7 +107,7 @@ def loss_sum_and_items(model, tokens, labels):
 # --- 1. the big batch ---------------------------------------------------------------
 
 
-@nnx.jit
+@nnx.jit(donate_argnums=(0, 1))  # model and optimizer: updated in place
 def big_batch_step(model, optimizer, tokens, labels):
     def mean_loss(model):
         loss_sum, num_items = loss_sum_and_items(model, tokens, labels)
@@ -123,7 +123,7 @@ def big_batch_step(model, optimizer, tokens, labels):
 # --- 2. optax.MultiSteps fed micro-batch means -----------------------------------------
 
 
-@nnx.jit
+@nnx.jit(donate_argnums=(0, 1))  # model and optimizer: updated in place
 def multisteps_micro_step(model, optimizer, tokens, labels):
     def mean_loss(model):  # the usual per-micro-batch token mean (0/0 guarded)
         loss_sum, num_items = loss_sum_and_items(model, tokens, labels)
@@ -137,7 +137,7 @@ def multisteps_micro_step(model, optimizer, tokens, labels):
 # --- 3. jaxaccum.multi_steps inside nnx.Optimizer ------------------------------------
 
 
-@nnx.jit
+@nnx.jit(donate_argnums=(0, 1))  # model and optimizer: updated in place
 def jaxaccum_micro_step(model, optimizer, tokens, labels):  # tokens, labels: P("data")
     grad_fn = jaxaccum.value_and_grad(loss_sum_and_items, axis_name="data")
     (loss_sum, num_items), grads = grad_fn(model, tokens, labels)  # partial sums per device
