@@ -45,7 +45,11 @@ def test_the_window_clipped_once_is_exact_with_its_scale_and_norm(num_devices):
     assert "(= the max_grad_norm you passed)" in report.summary()
     report = run(layout, grads, np.where(layout.items > 0, 0.6, np.nan), max_grad_norm=2 * c)
     assert report.verdict == "exact" and not report.passed and report.clip_kept is False
-    assert f"(not the max_grad_norm {2 * c:g} you passed)" in report.summary()
+    # the threshold passed does not explain the clip: a clip at another one, or a count off
+    assert (
+        f"(not the max_grad_norm {2 * c:g} you passed; or every item weighed 0.6x: a divisor or"
+        " a count off by that factor" in report.summary()
+    )
     # a loop that does not clip (max_grad_norm=inf): the uniform 0.6 is a bug, read as no clip
     report = run(layout, grads, np.where(layout.items > 0, 0.6, np.nan), max_grad_norm=math.inf)
     assert not report.passed and report.verdict == "unknown" and report.clip_scale == 1.0

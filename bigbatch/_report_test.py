@@ -55,6 +55,7 @@ def test_a_known_form_off_by_one_factor_is_named_with_the_factor():
     report = report_of(2.0 * np.ones_like(ITEMS), ITEMS, k=4)
     assert report.summary() == "FAILED, unknown: your loop weighs every item at 2.00x the big batch"
     assert "verdict: unknown: the big batch's weights times 2: a divisor" in str(report)
+    assert "clip" not in str(report).split("verdict: ")[1].split("\n")[0]  # 2x: no clip does it
     # a zero_grad inside the window: only the last micro-batch reaches the update
     weights = np.zeros_like(ITEMS)
     weights[:, 3] = ITEMS.sum() / ITEMS[:, 3].sum()
@@ -62,10 +63,43 @@ def test_a_known_form_off_by_one_factor_is_named_with_the_factor():
         "verdict: unknown: micro-batches 0, 1, 2 on every device weighed 0: a gradient that"
         " never reached the update" in str(report_of(weights, ITEMS, k=4))
     )
+    # one device's gradient never all-reduced: the device is named, and the missing sync
+    weights = np.zeros_like(ITEMS)
+    weights[0] = 2.0
+    assert (
+        "verdict: unknown: device 1 weighed 0: a gradient that never reached the update (a"
+        " device's gradient left out of the all-reduce" in str(report_of(weights, ITEMS, k=4))
+    )
     # no form times any factor: the closest form and how far it is
     weights = np.ones_like(ITEMS)
     weights[1, 3] = 12.3
     assert "a reweighting, but of no known form (closest: " in str(report_of(weights, ITEMS, k=4))
+
+
+def test_a_clip_reading_names_the_form_a_factor_above_one_would_give():
+    # a mean per micro-batch and device, psum-ed over the 2 devices where a pmean belongs:
+    # mean_of_means times 2, the same weights as missing_1_over_k clipped to half; without a
+    # threshold the audit reads the clip first, and says the other reading
+    weights = 2.0 * bigbatch.form_weights("mean_of_means", ITEMS, k=4)
+    report = report_of(weights, ITEMS, k=4)
+    assert report.verdict == "missing_1_over_k" and report.clipped_once
+    assert "the same weights are mean_of_means's times 2: no clip then, but a divisor" in str(
+        report
+    )
+
+
+def test_a_residual_names_other_loss_units_and_the_device_count():
+    # one device: the big batch's gradient plus random noise, which no reweighting explains
+    noise = np.random.default_rng(1).normal(size=4 * ITEMS.size)
+    layout = bigbatch.CellLayout(
+        rows=np.arange(4).reshape(1, 4, 1), items=ITEMS[:1], k=4, left_out=np.zeros(0, np.int64)
+    )
+    grads = np.random.default_rng(0).normal(size=(1, 4, 4 * ITEMS.size))
+    gradient = grads.sum(axis=(0, 1)) / ITEMS[:1].sum() + 0.1 * noise
+    report = audit_of(-gradient, grads, layout, 1.0)
+    note = str(report).split("verdict: unknown: ")[1]
+    assert note.startswith("a loss in other units than the reference (a mean per sequence")
+    assert "a loop over several devices audited as one (give the audit their count" in note
 
 
 def test_the_table_has_a_row_per_cell_and_the_notes():

@@ -7,15 +7,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bigbatch._clipping import scaled_error
-from bigbatch._forms import (
-    CLIPPED_PER_MICRO_BATCH,
-    EXACT,
-    FIXES,
-    UNKNOWN,
-    WHAT_IT_DOES,
-    form_weights,
-)
+from bigbatch._forms import CLIPPED_PER_MICRO_BATCH, EXACT, FIXES, UNKNOWN, WHAT_IT_DOES
+from bigbatch._report_hints import DIVISOR_OFF, cell_name, other_readings, unknown_because
 
 if TYPE_CHECKING:
     from bigbatch._report import AuditReport
@@ -24,16 +17,6 @@ if TYPE_CHECKING:
 def _times(weight: float) -> str:
     """``12.3456 -> '12.3x'``: a weight as a multiple of the big batch's."""
     return "-" if np.isnan(weight) else f"{weight:#.3g}x"
-
-
-def _cell_name(report: AuditReport, r: int, m: int) -> str:
-    """``micro-batch m``, ``device r, micro-batch m``, or ``device r`` if its cells weigh alike."""
-    if report.num_devices == 1:
-        return f"micro-batch {m}"
-    device = report.weights[r][~np.isnan(report.weights[r])]
-    if device.size > 1 and np.ptp(device) <= report.weight_tolerance * np.max(np.abs(device)):
-        return f"device {r}"
-    return f"device {r}, micro-batch {m}"
 
 
 def _uniform_weight(report: AuditReport) -> float | None:
@@ -74,8 +57,8 @@ def _threshold(report: AuditReport) -> str:
 
 
 LOW_PRECISION_RESIDUAL = (
-    ", or bfloat16 rounding (a residual of a few 1e-3: run the audit in float32, without"
-    " autocast; the weighting is the same code)"
+    ", or, if your loop computes in bfloat16, its rounding (a residual of a few 1e-3: run the"
+    " audit in float32, without autocast; the weighting is the same code)"
 )
 
 
@@ -95,6 +78,8 @@ def headline(report: AuditReport) -> str:
         )
     if report.verdict == EXACT and report.clipped_once:
         said = _threshold(report)
+        if report.clip_kept is False and math.isfinite(report.max_grad_norm):
+            said += f"; or every item weighed {report.clip_scale:.4g}x: {DIVISOR_OFF}"
         return (
             f"your loop is the big batch clipped once per window to c ="
             f" {report.clipped_to:#.4g}" + (f" ({said})" if said else "")
@@ -116,7 +101,7 @@ def headline(report: AuditReport) -> str:
     if uniform is not None:
         return f"your loop weighs every item at {_times(uniform)} the big batch"
     said = [
-        f"{_cell_name(report, r, m)} at {_times(float(report.weights[r, m]))}"
+        f"{cell_name(report, r, m)} at {_times(float(report.weights[r, m]))}"
         for r, m in _extremes(report)
     ]
     if not said:  # every cell within the tolerance of the big batch, the fit aside
@@ -152,76 +137,6 @@ def content(report: AuditReport) -> tuple[str, list[list[str]], list[str], list[
             table.append(row)
             remarks.append("no item: zero gradient, left out of the fit" if empty else "")
     return header, table, remarks, _notes(report)
-
-
-def _unknown_because(report: AuditReport) -> str:
-    """What an ``unknown`` verdict most likely means, from the fit's numbers."""
-    if not report.finite:
-        empty = ", ".join(_cell_name(report, r, m) for r, m in report.empty_cells) or "none"
-        return (
-            "the update has NaN or inf: a division by the items of a cell without any? (cells"
-            f" without items: {empty}); with rows that all have items the weights can be fitted"
-        )
-    if report.residual > report.residual_tolerance:
-        return (
-            "a different optimizer than the `optimizer` handed to your code (e.g. Adam),"
-            " clipping or normalizing elementwise, weight decay, noise; the weights above"
-            " are only the closest fit"
-        )
-    if not report.moved:
-        return "no update: an accumulator still waiting for micro-batches gives none"
-    closest = min(report.form_errors, key=report.form_errors.get)
-    dropped = _dropped_cells(report)
-    if dropped:
-        return (
-            f"{dropped} weighed 0: a gradient that never reached the update (a zero_grad or a"
-            " reset of the sums inside the window, a gradient assigned where it should be"
-            " added, a window closed early)"
-        )
-    scaled = _scaled_form(report)
-    if scaled is not None:
-        name, scale = scaled
-        weights = "the big batch's" if name == EXACT else f"{name}'s"
-        return (
-            f"{weights} weights times {scale:.4g}: a divisor or a count off by that factor (a"
-            " sum over devices taken twice, a mean over devices or micro-batches taken on top"
-            " of the window's N or left out, a loss scale not undone, a learning rate scaled),"
-            " or a clip of the window you did not tell the audit of (max_grad_norm=)"
-        )
-    return (
-        f"a reweighting, but of no known form (closest: {closest}, off by"
-        f" {report.form_errors[closest]:.1%}): e.g. each device's micro-batch clipped by its"
-        " own norm, or a loss other than the reference one"
-    )
-
-
-def _dropped_cells(report: AuditReport) -> str:
-    """The cells with items that the update left out (weight 0), named: whole micro-batches
-    first, then single cells; "" if none."""
-    zero = np.abs(np.nan_to_num(report.weights, nan=1.0)) <= report.weight_tolerance
-    empty = report.items == 0
-    whole = [m for m in range(zero.shape[1]) if zero[:, m].any() and (zero | empty)[:, m].all()]
-    names = []
-    if whole:
-        plural = "es" if len(whole) > 1 else ""
-        every = " on every device" if report.num_devices > 1 else ""
-        names.append(f"micro-batch{plural} {', '.join(map(str, whole))}{every}")
-    cells = [(r, m) for r, m in np.argwhere(zero) if m not in whole]
-    names += list(dict.fromkeys(_cell_name(report, int(r), int(m)) for r, m in cells))
-    return "; ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-
-def _scaled_form(report: AuditReport) -> tuple[str, float] | None:
-    """The first known form whose weights times one factor are the fitted ones, and the factor."""
-    for name in report.form_errors:
-        if name == CLIPPED_PER_MICRO_BATCH:
-            continue
-        expected = form_weights(name, report.items, k=report.k, first_labels=report.first_labels)
-        if np.any(np.isfinite(expected) & np.isfinite(report.weights)):
-            scale, error = scaled_error(report.weights, expected)
-            if error <= report.weight_tolerance:
-                return name, scale
-    return None
 
 
 def _micro_batch_clip_notes(report: AuditReport, threshold: str) -> list[str]:
@@ -275,13 +190,13 @@ def _clip_notes(report: AuditReport) -> list[str]:
 def _notes(report: AuditReport) -> list[str]:
     verdict = f"verdict: {report.verdict}: {WHAT_IT_DOES.get(report.verdict, '')}"
     if report.verdict == UNKNOWN:
-        verdict = f"verdict: unknown: {_unknown_because(report)}"
+        verdict = f"verdict: unknown: {unknown_because(report)}"
     match = " (match, clipped)" if report.clipped_once else " (match)"
     forms = " | ".join(
         f"{name} {error:.1e}" + (match if name in report.matches else "")
         for name, error in report.form_errors.items()
     )
-    notes = [verdict, *_clip_notes(report)]
+    notes = [verdict, *_clip_notes(report), *other_readings(report)]
     if len(report.matches) > 1:
         others = ", ".join(report.matches[1:])
         notes.append(
