@@ -138,7 +138,11 @@ def unscaled_to_sum(grads: Any, num_items: Any, loss_scale: Any, loss_sum: jax.A
 
 
 def _backward_factor(num_items: Any, loss_scale: Any, loss_sum: jax.Array) -> jax.Array:
-    """``loss_scale / max(n, 1)``, computed in float32 (or float64), in the loss's dtype."""
+    """``loss_scale / max(n, 1)``, computed in float32 (or float64), in the loss's dtype, at
+    most its largest finite value: a float16 loss of a micro-batch with 0 or 1 items at the
+    default scale 2**16 would take an infinite factor (0 * inf: a NaN gradient that skips
+    the window). :func:`unscaled_to_sum` undoes the factor as used."""
     wide = jnp.float64 if loss_sum.dtype == jnp.float64 else jnp.float32
     items = jnp.maximum(jnp.asarray(num_items).astype(wide), 1.0)
-    return (jnp.asarray(loss_scale, wide) / items).astype(loss_sum.dtype)
+    factor = jnp.asarray(loss_scale, wide) / items
+    return jnp.minimum(factor, float(jnp.finfo(loss_sum.dtype).max)).astype(loss_sum.dtype)

@@ -105,6 +105,37 @@ def test_fp16_gradients_with_scaling_match_fp32_within_fp16_rounding():
     np.testing.assert_allclose(grads["scaled"], exact, rtol=1e-3)
 
 
+def test_a_float16_loss_with_an_empty_micro_batch_is_not_skipped_at_the_default_scale():
+    # the backward factor scale / max(n, 1) of a micro-batch without items is 2**16, beyond
+    # float16's 65504: it is capped there (as inf, 0 * inf made a NaN gradient and skipped
+    # a window whose other micro-batch, 3 items at 2**16 / 3, is finite)
+    def fp16_loss(params, y, mask):  # rows of y, those of mask summed: a float16 loss_sum
+        err = (params["w"][None, :].astype(jnp.float16) - y.astype(jnp.float16)) ** 2
+        return jnp.sum(mask.astype(jnp.float16)[:, None] * err), jnp.sum(mask)
+
+    tx = jaxaccum.multi_steps(optax.sgd(0.1), 2, loss_scaling=jaxaccum.DynamicLossScale())
+    grad_fn = jaxaccum.value_and_grad(fp16_loss)
+
+    @jax.jit
+    def step(params, state, y, mask):
+        (loss_sum, num_items), grads = grad_fn(
+            params, y, mask, loss_scale=jaxaccum.loss_scale(state)
+        )
+        updates, state = tx.update(grads, state, params, num_items=num_items, loss_sum=loss_sum)
+        return optax.apply_updates(params, updates), state
+
+    params = {"w": jnp.zeros(3)}
+    state = tx.init(params)
+    y = jnp.full((4, 3), 0.01)
+    for mask in ([1.0, 1.0, 1.0, 0.0], [0.0] * 4):  # 3 items, then a micro-batch without any
+        params, state = step(params, state, y, jnp.asarray(mask))
+    metrics = jaxaccum.window_metrics(state)
+    assert int(metrics.skip_reason) == 0 and float(jaxaccum.loss_scale(state)) == 2.0**16
+    # the window's gradient is 2 (w - y) = -0.02 per element, so w = 0.1 * 0.02; float16
+    # holds y = 0.01 to 2**-11 relative: 1e-3
+    np.testing.assert_allclose(np.asarray(params["w"]), 0.002, rtol=1e-3)
+
+
 def test_nonfinite_raise_stops_with_a_clear_error():
     tx = jaxaccum.multi_steps(optax.sgd(0.1), 1, nonfinite="raise")
     with pytest.raises(Exception, match="non-finite gradient or loss"):
