@@ -179,5 +179,9 @@ def _window_sum(value: np.ndarray, target: Any, where: str) -> np.ndarray:
 
 
 def _place(value: np.ndarray, target: Any) -> jax.Array:
+    """``value`` placed as ``target`` is: in its sharding, or uncommitted where ``target`` is
+    (what ``init`` leaves a scalar under GSPMD, free to join the step's sharded arguments)."""
     sharding = getattr(target, "sharding", None)
-    return jax.device_put(value, sharding) if sharding is not None else jax.numpy.asarray(value)
+    if sharding is None or not getattr(target, "committed", True):
+        return jax.numpy.asarray(value)
+    return jax.device_put(value, sharding)

@@ -143,3 +143,34 @@ def test_a_train_state_with_a_prng_key_and_a_python_step_restores_onto_another_m
     assert restored["step"] == 3 and type(restored["step"]) is int  # like `like`: no device
     np.testing.assert_array_equal(jax.random.key_data(restored["key"]), jax.random.key_data(key))
     assert float(jnp.sum(restored["opt"].num_items)) == 1.0  # one micro-batch, num_items=1.0
+
+
+def test_a_gspmd_state_restores_as_init_leaves_it_and_finishes_its_window():
+    # under GSPMD (an Auto mesh, multi_steps without axis_name) init leaves its scalars
+    # uncommitted, free to join the sharded params; a restore that committed them to one
+    # device failed the next step ("incompatible devices"). Restored as init leaves them,
+    # the window finishes as the uninterrupted run does (same devices: bitwise)
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))  # fmt: skip
+    tx = jaxaccum.multi_steps(optax.sgd(1.0), 2)
+    rng = np.random.default_rng(1)
+    rows = [(rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=4).astype(np.float32))
+            for _ in range(2)]  # fmt: skip
+    put = lambda tree, spec: jax.device_put(tree, jax.NamedSharding(mesh, spec))
+
+    @jax.jit
+    def step(params, state, x, y):
+        (loss_sum, items), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, x, y)
+        updates, state = tx.update(grads, state, params, num_items=items, loss_sum=loss_sum)
+        return optax.apply_updates(params, updates), state
+
+    params = put({"w": jnp.zeros(3)}, P())
+    params, state = step(params, jax.jit(tx.init)(params), *put(rows[0], P("data")))
+    like = jax.jit(tx.init)(params)
+    assert not like.window_step.committed  # what this test is about
+    restored = jaxaccum.restore_state(jax.device_get(state), like=like)
+    assert not restored.window_step.committed
+    resumed, _ = step(params, restored, *put(rows[1], P("data")))
+    uninterrupted, _ = step(params, state, *put(rows[1], P("data")))
+    np.testing.assert_array_equal(resumed["w"], uninterrupted["w"])
+    np.testing.assert_allclose(resumed["w"], window_update(rows), rtol=RTOL)
