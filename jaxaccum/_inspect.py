@@ -96,8 +96,10 @@ class WindowLog:
     their copy to the host started) and returns, as plain numbers
     (:meth:`WindowMetrics.to_python`), the records of the windows closed by the
     calls it was given whose copies are ready: it never waits. Each closed
-    window is returned once, applied or skipped; after a resume the window
-    closed before the checkpoint is not returned again. A window that closed
+    window is returned once, applied or skipped; after a resume, a new log given
+    the states of the steps that follow (not the restored state itself, which
+    holds the record of the window closed before the checkpoint) returns the
+    windows they close. A window that closed
     between two calls of :meth:`add` (it was not called after every micro-step)
     cannot be returned: a warning says how many.
 
