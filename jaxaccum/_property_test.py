@@ -217,6 +217,58 @@ def check_state(state, window_open_poisoned, mode):
         assert np.all(np.isfinite(np.asarray(leaf))), jax.tree_util.keystr(path)
 
 
+def micro_batches(tokens, labels, slot, k):
+    """One window's ``k`` micro-steps: every device's rows, the samples not in its cell
+    masked (``slot``: each sample's ``device * k + micro-batch``)."""
+    device, micro = np.divmod(slot, k)
+    for m in range(k):
+        mine = (device[None, :] == np.arange(DEVICES)[:, None]) & (micro == m)
+        yield {
+            "tokens": np.broadcast_to(tokens, (DEVICES, SAMPLES, SEQ_LEN)),
+            "labels": np.where(mine[..., None], labels, IGNORE_INDEX),
+        }
+
+
+def poison_factors(poison, w: int, m: int) -> np.ndarray:
+    """Each device's factor on its loss in window ``w``, micro-batch ``m``: 1, or the poison."""
+    factor = np.ones(DEVICES, np.float32)
+    if poison is not None and poison[:3:2] == (w, m):
+        factor[poison[1]] = poison[3]
+    return factor
+
+
+def check_window(params, state, reference, window, poisoned, mode):
+    """After a window closed: the record and every device's parameters against the big batch.
+    Returns the reference's parameters for the next window, the skip reason, the deviation."""
+    reference_next, loss, num_items = big_batch_step(reference, window)
+    metrics = jaxaccum.window_metrics(state)
+    if mode == "vmap":
+        metrics = jax.tree.map(lambda x: np.asarray(x)[0], metrics)
+    assert float(metrics.window_items) == float(num_items)  # exact integer
+    reason = 1 if num_items == 0 else (2 if poisoned else 0)
+    assert int(metrics.skip_reason) == reason
+    if reason == 0:
+        reference = reference_next
+        np.testing.assert_allclose(metrics.loss, float(loss), rtol=LOSS_RTOL)
+    deviation = 0.0
+    for name in reference:  # every device's copy against the reference
+        ours = np.asarray(params[name], np.float64)
+        expected = np.broadcast_to(reference[name], ours.shape)
+        np.testing.assert_allclose(ours, expected, rtol=0, atol=PARAM_ATOL, err_msg=name)
+        deviation = max(deviation, float(np.max(np.abs(ours - expected))))
+    return reference, reason, deviation
+
+
+def start(mode):
+    """The replicated parameters (one copy per device under vmap), their state, the reference."""
+    init, _ = accumulated_step(mode)
+    params0 = tiny_lm_params(vocab=VOCAB)
+    params = params0
+    if mode == "vmap":
+        params = jax.tree.map(lambda x: jnp.broadcast_to(x, (DEVICES,) + x.shape), params0)
+    return params, init(params), params0
+
+
 @pytest.mark.parametrize("mode", ["vmap", "shard_map", "jit"])
 def test_any_split_gives_the_big_batch_update(mode, record_property):
     @settings(
@@ -229,65 +281,21 @@ def test_any_split_gives_the_big_batch_update(mode, record_property):
     @given(scenarios())
     def check(scenario):
         ks, lengths, slots, poison, seed = scenario
-        reasons, deviation = [], 0.0
         tokens, labels = window_data(lengths, seed)
-        init, step = accumulated_step(mode)
-        params0 = tiny_lm_params(vocab=VOCAB)
-        if mode == "vmap":
-            params = jax.tree.map(lambda x: jnp.broadcast_to(x, (DEVICES,) + x.shape), params0)
-        else:
-            params = params0
-        state = init(params)
-        reference = params0
+        _, step = accumulated_step(mode)
+        params, state, reference = start(mode)
+        reasons, deviation = [], 0.0
         for w, k in enumerate(ks):
-            device, micro = np.divmod(slots[w], k)  # each sample's (device, micro-batch)
-            poisoned_window = poison is not None and poison[0] == w
-            for m in range(k):
-                mine = (device[None, :] == np.arange(DEVICES)[:, None]) & (micro == m)
-                batch = {
-                    "tokens": np.broadcast_to(tokens[w], (DEVICES, SAMPLES, SEQ_LEN)),
-                    "labels": np.where(mine[..., None], labels[w], IGNORE_INDEX),
-                }
-                factor = np.ones(DEVICES, np.float32)
-                if poisoned_window and poison[2] == m:
-                    factor[poison[1]] = poison[3]
+            poisoned = poison is not None and poison[0] == w
+            for m, batch in enumerate(micro_batches(tokens[w], labels[w], slots[w], k)):
                 closed = m == k - 1
+                factor = poison_factors(poison, w, m)
                 params, state = step(params, state, batch, factor, np.bool_(closed))
-                check_state(state, poisoned_window and not closed and poison[2] <= m, mode)
-
-            # the window closed: compare with the big batch of the same samples
-            reference_next, loss, num_items = big_batch_step(
-                reference, {"tokens": tokens[w], "labels": labels[w]}
-            )
-            metrics = jaxaccum.window_metrics(state)
-            if mode == "vmap":
-                metrics = jax.tree.map(lambda x: np.asarray(x)[0], metrics)
-            assert float(metrics.window_items) == float(num_items)  # exact integer
-            expected_reason = 1 if num_items == 0 else (2 if poisoned_window else 0)
-            assert int(metrics.skip_reason) == expected_reason
-            reasons.append(expected_reason)
-            if expected_reason == 0:
-                reference = reference_next
-                np.testing.assert_allclose(metrics.loss, float(loss), rtol=LOSS_RTOL)
-            for name in reference:
-                # every device's copy against the reference
-                np.testing.assert_allclose(
-                    np.asarray(params[name]),
-                    np.broadcast_to(reference[name], params[name].shape),
-                    rtol=0,
-                    atol=PARAM_ATOL,
-                    err_msg=f"window {w}, {name}",
-                )
-                deviation = max(
-                    deviation,
-                    float(
-                        np.max(
-                            np.abs(
-                                np.asarray(params[name], np.float64) - np.asarray(reference[name])
-                            )
-                        )
-                    ),
-                )
+                check_state(state, poisoned and not closed and poison[2] <= m, mode)
+            window = {"tokens": tokens[w], "labels": labels[w]}
+            reference, reason, gap = check_window(params, state, reference, window, poisoned, mode)
+            reasons.append(reason)
+            deviation = max(deviation, gap)
         ran.append((ks, reasons, deviation))
 
     ran.clear()
