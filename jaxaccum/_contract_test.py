@@ -106,7 +106,7 @@ def loss_fn(model, x, y):  # a SUM and its number of items
     return jnp.sum((model(x)[:, 0] - y) ** 2), y.shape[0]
 
 
-@nnx.jit
+@nnx.jit(donate_argnums=(0, 1))  # model and optimizer: updated in place
 def micro_step(model, optimizer, x, y):
     (loss_sum, num_items), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, x, y)
     optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
