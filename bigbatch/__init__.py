@@ -61,6 +61,8 @@ from bigbatch._repeat import (
     sample,
     sampled_change,
     sampled_rounding,
+    warm_up_micro_batch,
+    warm_up_note,
 )
 from bigbatch._report import AuditReport
 from bigbatch._tolerances import (
@@ -118,6 +120,8 @@ __all__ = [
     "sample",
     "sampled_change",
     "sampled_rounding",
+    "warm_up_micro_batch",
+    "warm_up_note",
     "check_sums",
     "check_window",
     "cell_products",

@@ -8,12 +8,18 @@ update is not linear in the learning rate: at small learning rates it fits the b
 batch within the fit's tolerances). The two changes are compared at a sample of every
 leaf's elements, so that the first run's change is not held in full while the second
 runs (the audit's memory stays that of one run).
+
+Before both, the loop runs once on a window of other items (`warm_up_micro_batch`),
+its result discarded: a loop that keeps a count from an earlier window (a Python
+value that ``jax.jit`` captured at its first trace, a cached ``N``) weighs the audited
+window by that window's count, which the fit then shows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -25,6 +31,28 @@ LR_SCALE = 8
 exactly ``8 (lr g)`` in floating point)."""
 SAMPLE = 1 << 16
 """The most elements of a leaf compared (every ``s``-th); a leaf of fewer, all of them."""
+
+
+def warm_up_micro_batch(items: np.ndarray) -> int:
+    """The micro-batch that the warm-up window repeats ``k`` times: the one with the most
+    items (``items``: ``[R, k]``, a `CellLayout`'s). That window holds ``k`` times its items,
+    not the audited window's ``N`` unless every micro-batch holds as many, and every
+    micro-batch has the audited one's shapes."""
+    return int(np.argmax(np.asarray(items).sum(axis=0)))
+
+
+@contextlib.contextmanager
+def warm_up_note(micro_batch: int, k: int) -> Iterator[None]:
+    """Adds to an error your loop raises on the warm-up window which window that was."""
+    try:
+        yield
+    except Exception as error:
+        error.add_note(
+            f"(raised in the audit's warm-up: your loop on micro-batch {micro_batch} repeated"
+            f" {k} times, a window of other items whose update the audit discards;"
+            " bigbatch.warm_up_micro_batch)"
+        )
+        raise
 
 
 def sample(leaf) -> np.ndarray:

@@ -19,9 +19,10 @@ if TYPE_CHECKING:
     from bigbatch._report import AuditReport
 
 DIVISOR_OFF = (
-    "a divisor or a count off by that factor (a sum over devices taken twice, a mean over"
-    " devices or micro-batches taken on top of the window's N or left out, a loss scale not"
-    " undone, a learning rate scaled)"
+    "a divisor or a count off by that factor (a count kept from an earlier window: the audit"
+    " runs your loop on a window of other items first; a sum over devices taken twice, a mean"
+    " over devices or micro-batches taken on top of the window's N or left out, a loss scale"
+    " not undone, a learning rate scaled)"
 )
 
 

@@ -1,10 +1,10 @@
 """Your loop for one update of the JAX audit: on its own copy of the parameters, twice.
 
 `audit_window` runs ``window_fn`` from a copy of ``params`` with the ``optax.sgd`` the
-audit hands over, first at ``bigbatch.LR_SCALE`` x its learning rate, and refuses a loop
-whose update there is not that many times the audited one (`bigbatch.check_proportional`:
-it carries something over, or steps per micro-batch); ``audit_invariance`` runs each cut
-once. The audit's own ``params`` must come back untouched. As torch's
+audit hands over: once on a window of other items (discarded), then at
+``bigbatch.LR_SCALE`` x its learning rate, and refuses a loop whose update there is not
+that many times the audited one (`bigbatch.check_proportional`: it carries something
+over, or steps per micro-batch); ``audit_invariance`` runs each cut once. The audit's own ``params`` must come back untouched. As torch's
 `torch_ref._audit_loop`.
 """
 
@@ -28,7 +28,8 @@ def _update(
     With ``repeat`` the loop runs twice from ``params``, the first time at
     ``bigbatch.LR_SCALE`` x the learning rate: a loop whose update there is not that many
     times the second's carries something over, or steps per micro-batch
-    (`bigbatch.check_proportional`).
+    (`bigbatch.check_proportional`). Before both, it runs once on a window of other items
+    (`bigbatch.warm_up_micro_batch`), discarded: a count kept from it shows in the fit.
     """
     microbatches = [
         jax.tree.map(lambda x, m=m: x[layout.microbatch_rows(m)], batch)
@@ -36,15 +37,18 @@ def _update(
     ]
     reference = jax.tree.leaves(params)
 
-    def run(lr: float) -> list:  # the new parameters' leaves
+    def run(lr: float, window: list = microbatches) -> list:  # the new parameters' leaves
         own = jax.tree.map(_copy, params)  # the loop's to change
-        new_params = window_fn(own, microbatches, optax.sgd(lr), **window_kwargs)
+        new_params = window_fn(own, window, optax.sgd(lr), **window_kwargs)
         del own
         _check_untouched(params, reference)
         return jax.tree.leaves(_check_new_params(new_params, params))
 
     if not repeat:
         return bigbatch.parameter_change(run(learning_rate), reference)
+    busiest, k = bigbatch.warm_up_micro_batch(layout.items), len(microbatches)
+    with bigbatch.warm_up_note(busiest, k):
+        run(learning_rate, [microbatches[busiest]] * k)  # the warm-up: its update discarded
     scaled = bigbatch.sampled_change(run(learning_rate * bigbatch.LR_SCALE), reference)
     change = bigbatch.parameter_change(run(learning_rate), reference)
     eps = [float(jnp.finfo(x.dtype).eps) for x in reference]

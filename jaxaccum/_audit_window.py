@@ -52,9 +52,11 @@ def audit_window(
         ``num_devices`` devices: device ``r`` owns rows ``[r * p, (r + 1) * p)``
         (contiguous slices, how ``jax.device_put(..., P("data"))`` splits them).
         ``optimizer`` is ``optax.sgd(learning_rate)``; your code must use it. It
-        runs twice from ``params``, the first time with ``bigbatch.LR_SCALE`` x
-        the learning rate, where it must move that many times further (one step
-        per window, nothing kept from the run before); else a ``ValueError``.
+        runs on a window of other items first (discarded: a count kept from it
+        shows in the report), then twice from ``params``, the first time with
+        ``bigbatch.LR_SCALE`` x the learning rate, where it must move that many
+        times further (one step per window, nothing kept from the run before);
+        else a ``ValueError``.
       loss_fn: the reference loss, ``loss_fn(params, batch) -> (loss_sum,
         num_items)``: a SUM over the batch's items and their number (e.g. built
         on ``jaxaccum.losses.causal_lm``). Both must add up over rows.

@@ -41,24 +41,37 @@ def _step(
     microbatches: list[Batch],
     lr: float,
     start: list[torch.Tensor] | None = None,
+    warm_up: int | None = None,
 ) -> list[np.ndarray]:
     """Your loop for the audited update, with the SGD the audit hands over, twice from the
     same parameters, as a training loop runs it: first at ``bigbatch.LR_SCALE`` x the
     learning rate, then at it, after an update of its own and with what that one left
     behind (gradients it did not zero). Returns the first run's change at
     `bigbatch.sample`'s elements; the model holds the parameters of the second, the
-    audited update (`_check_repeatable` compares the two). ``start``: the parameters both
-    runs start from, where another model holds them already (else a copy is made)."""
+    audited update (`_check_repeatable` compares the two). ``start``: the parameters the
+    runs start from, where another model holds them already (else a copy is made).
+    ``warm_up``: before both, a run on micro-batch ``warm_up`` repeated (a window of other
+    items, `bigbatch.warm_up_micro_batch`), its update undone."""
     if start is None:
         start = [p.detach().clone() for p in model.parameters()]
+    if warm_up is not None:
+        with bigbatch.warm_up_note(warm_up, len(microbatches)):
+            window = [microbatches[warm_up]] * len(microbatches)
+            window_fn(model, torch.optim.SGD(model.parameters(), lr=lr), window)
+        _reset(model, start)
     window_fn(model, torch.optim.SGD(model.parameters(), lr=lr * bigbatch.LR_SCALE), microbatches)
     scaled = bigbatch.sampled_change(_numpy(_parameters(model)), [_numpy([s])[0] for s in start])
-    with torch.no_grad():
-        for p, value in zip(model.parameters(), start, strict=True):
-            p.copy_(value)
+    _reset(model, start)
     del start
     window_fn(model, torch.optim.SGD(model.parameters(), lr=lr), microbatches)
     return scaled
+
+
+def _reset(model: nn.Module, start: list[torch.Tensor]) -> None:
+    """The model's parameters back to ``start`` (its gradients left as the loop left them)."""
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), start, strict=True):
+            p.copy_(value)
 
 
 def _check_repeatable(scaled: list[np.ndarray], new: list[np.ndarray], old: list) -> None:
@@ -77,13 +90,20 @@ def _check_repeatable(scaled: list[np.ndarray], new: list[np.ndarray], old: list
 
 
 def _window_here(
-    window_fn: WindowFn, lr: float, model: nn.Module, batch: Batch, layout: bigbatch.CellLayout
+    window_fn: WindowFn,
+    lr: float,
+    model: nn.Module,
+    batch: Batch,
+    layout: bigbatch.CellLayout,
+    warm_up: bool = False,
 ) -> list[np.ndarray]:
-    """One rank, in this process, on a copy of the model; the parameters after the update."""
+    """One rank, in this process, on a copy of the model; the parameters after the update
+    (``warm_up``: after a run on a window of other items, `_step`)."""
     old = _parameters(model)
     start = [p.detach() for p in model.parameters()]  # the copy's, before the update: no clone
     model = copy.deepcopy(model)
-    scaled = _step(window_fn, model, _microbatches(batch, layout, 0), lr, start)
+    busiest = bigbatch.warm_up_micro_batch(layout.items) if warm_up else None
+    scaled = _step(window_fn, model, _microbatches(batch, layout, 0), lr, start, busiest)
     model.zero_grad(set_to_none=True)  # the copy's gradients: freed before the audit goes on
     new = _numpy(_parameters(model))
     _check_repeatable(scaled, new, old)
@@ -97,22 +117,23 @@ def _window_on_ranks(
     model: nn.Module,
     batch: Batch,
     layout: bigbatch.CellLayout,
+    warm_up: bool = False,
 ) -> list[np.ndarray]:
     """``layout.num_devices`` gloo ranks, each with its cells, the model under DDP."""
     per_rank = [_microbatches(batch, layout, r) for r in range(layout.num_devices)]
-    results = _on_ranks(
-        layout.num_devices, _rank_window, model, per_rank, window_fn, lr, timeout_s=timeout_s
-    )
+    busiest = bigbatch.warm_up_micro_batch(layout.items) if warm_up else None
+    results = _on_ranks(layout.num_devices, _rank_window, model, per_rank, window_fn, lr,
+                        busiest, timeout_s=timeout_s)  # fmt: skip
     new = _same_on_every_rank(results, _parameters(model), "window_fn")
     _check_repeatable(results[0].scaled, new, _parameters(model))
     return new
 
 
-def _rank_window(rank, world_size, model, per_rank, window_fn, lr) -> RankParameters:
+def _rank_window(rank, world_size, model, per_rank, window_fn, lr, warm_up) -> RankParameters:
     """One rank of `_window_on_ranks`: DDP around its own copy of the model, its cells."""
     del world_size
     wrapped = nn.parallel.DistributedDataParallel(model)
-    scaled = _step(window_fn, wrapped, per_rank[rank], lr)
+    scaled = _step(window_fn, wrapped, per_rank[rank], lr, warm_up=warm_up)
     return _rank0_parameters(rank, model)._replace(scaled=scaled if rank == 0 else None)
 
 

@@ -61,10 +61,11 @@ def audit_window(
         ranks (CPU, 127.0.0.1) with ``model`` wrapped in
         ``DistributedDataParallel``; it must then be picklable (a module-level
         function, or a ``functools.partial`` of one). It runs on a copy: ``model``
-        is left as it was. It runs twice from the same parameters, the first
-        time with ``bigbatch.LR_SCALE`` x the learning rate, where it must move
-        that many times further (one step per window, no gradients kept from the
-        run before); else a ``ValueError``.
+        is left as it was. It runs on a window of other items first (undone: a
+        count kept from it shows in the report), then twice from the same
+        parameters, the first time with ``bigbatch.LR_SCALE`` x the learning
+        rate, where it must move that many times further (one step per window,
+        no gradients kept from the run before); else a ``ValueError``.
       loss_fn: the reference loss, ``loss_fn(model, batch) -> (loss_sum,
         num_items)``: a SUM over the batch's items and their number (e.g.
         `torch_ref.causal_lm_loss_sum` of the model's logits). Both must add up
@@ -129,9 +130,9 @@ def audit_window(
     bigbatch.check_max_grad_norm(max_grad_norm)
     _check_callable(window_fn, "window_fn")
     if world_size == 1:
-        run = functools.partial(_window_here, window_fn, learning_rate)
+        run = functools.partial(_window_here, window_fn, learning_rate, warm_up=True)
     else:
-        run = functools.partial(_window_on_ranks, window_fn, learning_rate, timeout_s)
+        run = functools.partial(_window_on_ranks, window_fn, learning_rate, timeout_s, warm_up=True)
     return _audit(
         run, loss_fn, model, batch, k=k, world_size=world_size, learning_rate=learning_rate,
         short_window=short_window, max_grad_norm=max_grad_norm, progress=progress,
