@@ -16,7 +16,8 @@
   weights by ~1e-3, the tolerance.
 * ``MAX_ROUNDING = 1e-4``: the update is read back in the parameters' dtype;
   its rounding must stay 10x below the residual tolerance.
-* ``LINEAR_RTOL = 1e-5``: your loop's update at 8x the learning rate, over 8, against
+* ``LINEAR_RTOL = 1e-5``: your loop's update at ``LR_SCALE`` (1024) x the learning rate,
+  over ``LR_SCALE``, against
   its update (`_repeat.py`), beyond the rounding of reading both back: the same
   float32 gradients in the same order give the same numbers (~1e-7 where a device
   adds in its own order); stepping per micro-batch differs by ``lr`` x the loss's
@@ -49,8 +50,8 @@ MAX_CONDITION = 1e4
 MAX_ROUNDING = 1e-4
 """The largest relative rounding of the update read back in the parameters' dtype."""
 LINEAR_RTOL = 1e-5
-"""The largest relative difference of your loop's update at 8x the learning rate, over 8,
-from its update (beyond the rounding of reading them back)."""
+"""The largest relative difference of your loop's update at ``LR_SCALE`` x the learning rate,
+over ``LR_SCALE``, from its update (beyond the rounding of reading them back)."""
 ITEMS_RTOL = 1e-6
 """The largest relative difference of the batch's items from the sum over its rows."""
 LOSS_RTOL = 1e-4

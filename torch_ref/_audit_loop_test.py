@@ -2,8 +2,8 @@
 
 A loop that never zeroes its gradients is the big batch on a fresh model, and adds the last
 update's gradients into every later one; a loop that steps per micro-batch fits the big batch
-at a small learning rate: the audit runs each twice, the first time at 8x the learning
-rate, and refuses both. A loop in bfloat16, or a model that draws dropout, is told what the
+at a small learning rate: the audit runs each twice, the first time at ``LR_SCALE`` (1024) x
+the learning rate, and refuses both. A loop in bfloat16, or a model that draws dropout, is told what the
 audit needs. The loops and rows are ``torch_ref/_audit_test.py``'s.
 """
 
@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from torch_ref._audit_test import FULL, MODEL, K, audit, loss_fn
+from torch_ref._audit_test import CONFIG, FULL, MODEL, K, audit, loss_fn
 from torch_ref._loss import count_items
 from torch_ref.audit import audit_window
 
@@ -45,8 +45,9 @@ def zeroed_first_window(model, optimizer, microbatches):
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_loop_that_never_zeroes_its_gradients_is_refused_naming_it(world_size):
     # each run adds in the gradients of the runs before it, from the same parameters: the
-    # warm-up window's g_w, then the window's g at 8x the learning rate: 8 lr (g_w + g) / 8
-    # against lr (g_w + 2 g), a gap of |g| / |g_w + 2 g|, a few tenths, against 1e-5
+    # warm-up window's g_w, then the window's g at s = LR_SCALE x the learning rate: s lr
+    # (g_w + g) / s against lr (g_w + 2 g), a gap of |g| / |g_w + 2 g|, a few tenths, against
+    # 1e-5
     with pytest.raises(ValueError, match=r"learning rate by [1-9]\.\de-01.*zero_grad"):
         audit(never_zeroed_window, k=K, world_size=world_size)
 
@@ -63,9 +64,48 @@ def step_per_microbatch_window(model, optimizer, microbatches):
 
 def test_a_loop_that_steps_per_micro_batch_is_refused_at_a_small_learning_rate():
     # at lr 1e-3 its update is the big batch's within the fit's tolerances (measured residual
-    # 1.7e-4 on a model of the red team's, below 1e-3); not at 8x: the steps compound
+    # 1.7e-4 on a model of the red team's, below 1e-3); not at LR_SCALE x: the steps compound
     with pytest.raises(ValueError, match=r"not proportional.*step per micro-batch"):
         audit(step_per_microbatch_window, k=K, learning_rate=1e-3)
+
+
+def test_a_loop_that_steps_per_micro_batch_on_zero_parameters_is_refused_at_lr_1e_4():
+    # a zero-initialised bigram table: no rounding bounds the learning rate from below, and at
+    # 1e-3 such a loop read PASSED, exact when the first run was at 8x (the red team's); at
+    # 1024x it departs from proportion by 5.6e-4 at lr 1e-3 and 5.6e-5 at 1e-4, against 1e-5
+    bigram = torch.nn.Embedding(CONFIG.vocab_size, CONFIG.vocab_size)
+    torch.nn.init.zeros_(bigram.weight)
+    with pytest.raises(ValueError, match=r"not proportional.*step per micro-batch"):
+        audit_window(step_per_microbatch_window, loss_fn, bigram, FULL, k=K, learning_rate=1e-4,
+                     progress=False)  # fmt: skip
+
+
+def test_a_loop_that_pops_its_labels_from_the_micro_batches_is_exact():
+    # a compute_loss override's pattern: each run gets dicts of its own to pop from
+    def pops_labels(model, optimizer, microbatches):
+        restored = [
+            {"input_ids": mb["input_ids"], "labels": mb.pop("labels")} for mb in microbatches
+        ]
+        zeroed_first_window(model, optimizer, restored)
+
+    report = audit(pops_labels, FULL, k=K)
+    assert report.verdict == "exact" and report.passed, report
+
+
+def test_a_loop_that_trains_a_model_it_closes_over_is_refused():
+    trained = copy.deepcopy(MODEL)
+
+    def closes_over(model, optimizer, microbatches):  # ignores `model`, the audit's copy
+        zeroed_first_window(trained, torch.optim.SGD(trained.parameters(), lr=0.1), microbatches)
+
+    with pytest.raises(ValueError, match="changed the model passed to the audit"):
+        audit_window(closes_over, loss_fn, trained, FULL, k=K, progress=False)
+
+
+def test_parameters_below_float32_are_refused_naming_the_dtype():
+    with pytest.raises(ValueError, match=r"model: expected float32 or wider.*torch\.bfloat16"):
+        bf16 = copy.deepcopy(MODEL).bfloat16()
+        audit_window(zeroed_first_window, loss_fn, bf16, FULL, k=K, progress=False)
 
 
 def test_a_loop_that_zeroes_them_before_its_backward_is_exact():
