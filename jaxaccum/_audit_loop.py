@@ -39,7 +39,8 @@ def _update(
 
     def run(lr: float, window: list = microbatches) -> list:  # the new parameters' leaves
         own = jax.tree.map(_copy, params)  # the loop's to change
-        new_params = window_fn(own, window, optax.sgd(lr), **window_kwargs)
+        fresh = [jax.tree.map(lambda x: x, mb) for mb in window]  # its own dicts, to pop from
+        new_params = window_fn(own, fresh, optax.sgd(lr), **window_kwargs)
         del own
         _check_untouched(params, reference)
         return jax.tree.leaves(_check_new_params(new_params, params))

@@ -200,7 +200,7 @@ def test_a_count_frozen_at_the_first_window_fails():
 
 def test_an_error_of_the_loop_on_the_warm_up_window_says_which_window_that_was():
     def distinct_micro_batches_only(params, microbatches, optimizer):
-        if microbatches[0] is microbatches[1]:
+        if np.array_equal(microbatches[0]["tokens"], microbatches[1]["tokens"]):
             raise ValueError("the same micro-batch twice")
         return params
 
@@ -208,6 +208,21 @@ def test_an_error_of_the_loop_on_the_warm_up_window_says_which_window_that_was()
         audit(distinct_micro_batches_only, FULL, k=K)
     (note,) = raised.value.__notes__
     assert note.startswith("(raised in the audit's warm-up: your loop on micro-batch 3 repeated")
+
+
+def test_a_loop_that_pops_its_labels_runs_as_in_training():
+    # a compute_loss override's pattern: each run gets dicts of its own to pop from
+    def pops_labels(params, microbatches, optimizer):
+        popped = [{"tokens": mb.pop("tokens"), "labels": mb.pop("labels")} for mb in microbatches]
+        return jaxaccum_window("one_device")(params, popped, optimizer)
+
+    assert_recovers(audit(pops_labels, FULL, k=K), "exact")
+
+
+def test_params_below_float32_are_refused_naming_the_dtype():
+    bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), PARAMS)
+    with pytest.raises(ValueError, match="params: expected float32 or wider.*bfloat16"):
+        jaxaccum.audit.audit_window(jaxaccum_window("one_device"), tiny_lm_loss, bf16, FULL, k=K)
 
 
 def test_a_mean_of_means_with_an_empty_microbatch():

@@ -171,6 +171,12 @@ def _check_params(params: Any) -> None:
                 f"params: expected float arrays (the audit differentiates them), got a leaf of"
                 f" dtype {jnp.result_type(leaf)}"
             )
+        if jnp.finfo(jnp.result_type(leaf)).bits < 32:
+            raise ValueError(
+                f"params: expected float32 or wider parameters (the audit reads your loop's"
+                f" update back as new - old in their dtype), got a leaf of dtype"
+                f" {jnp.result_type(leaf)}: audit a float32 copy of them"
+            )
 
 
 def _num_rows(batch: Any) -> int:

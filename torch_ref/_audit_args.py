@@ -43,6 +43,12 @@ def _check_model(model: nn.Module) -> list[nn.Parameter]:
     for p in params:
         if not p.dtype.is_floating_point:
             raise ValueError(f"model: expected float parameters, got one of dtype {p.dtype}")
+        if torch.finfo(p.dtype).bits < 32:
+            raise ValueError(
+                "model: expected float32 or wider parameters (the audit reads your loop's update"
+                f" back as new - old in their dtype), got one of dtype {p.dtype}: audit a float32"
+                " copy (model.float()); autocast in your loop may stay"
+            )
     dropout = [
         name
         for name, m in model.named_modules()

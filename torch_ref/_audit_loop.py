@@ -57,14 +57,21 @@ def _step(
     if warm_up is not None:
         with bigbatch.warm_up_note(warm_up, len(microbatches)):
             window = [microbatches[warm_up]] * len(microbatches)
-            window_fn(model, torch.optim.SGD(model.parameters(), lr=lr), window)
+            window_fn(model, torch.optim.SGD(model.parameters(), lr=lr), _fresh(window))
         _reset(model, start)
-    window_fn(model, torch.optim.SGD(model.parameters(), lr=lr * bigbatch.LR_SCALE), microbatches)
+    scaled_lr = lr * bigbatch.LR_SCALE
+    window_fn(model, torch.optim.SGD(model.parameters(), lr=scaled_lr), _fresh(microbatches))
     scaled = bigbatch.sampled_change(_numpy(_parameters(model)), [_numpy([s])[0] for s in start])
     _reset(model, start)
     del start
-    window_fn(model, torch.optim.SGD(model.parameters(), lr=lr), microbatches)
+    window_fn(model, torch.optim.SGD(model.parameters(), lr=lr), _fresh(microbatches))
     return scaled
+
+
+def _fresh(microbatches: list[Batch]) -> list[Batch]:
+    """A run's own micro-batch dicts: a loop that pops or replaces a key (``labels``, as a
+    ``compute_loss`` override does) leaves the next run's as they were."""
+    return [dict(mb) for mb in microbatches]
 
 
 def _reset(model: nn.Module, start: list[torch.Tensor]) -> None:
@@ -72,6 +79,17 @@ def _reset(model: nn.Module, start: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for p, value in zip(model.parameters(), start, strict=True):
             p.copy_(value)
+
+
+def _check_untouched(model: nn.Module, fingerprint: list[np.ndarray]) -> None:
+    """Refuses a loop that changed the caller's model (`bigbatch.sample`'s elements of each
+    parameter): it trains a model it closes over, not the copy it is given."""
+    now = [bigbatch.sample(p) for p in _numpy(_parameters(model))]
+    if any(not np.array_equal(a, b) for a, b in zip(now, fingerprint, strict=True)):
+        raise ValueError(
+            "window_fn: it changed the model passed to the audit, which runs your loop on a"
+            " copy: train the `model` that window_fn is given, not one it closes over"
+        )
 
 
 def _check_repeatable(scaled: list[np.ndarray], new: list[np.ndarray], old: list) -> None:
@@ -101,9 +119,12 @@ def _window_here(
     (``warm_up``: after a run on a window of other items, `_step`)."""
     old = _parameters(model)
     start = [p.detach() for p in model.parameters()]  # the copy's, before the update: no clone
-    model = copy.deepcopy(model)
+    fingerprint = [bigbatch.sample(p) for p in _numpy(old)]
+    copied = copy.deepcopy(model)
     busiest = bigbatch.warm_up_micro_batch(layout.items) if warm_up else None
-    scaled = _step(window_fn, model, _microbatches(batch, layout, 0), lr, start, busiest)
+    scaled = _step(window_fn, copied, _microbatches(batch, layout, 0), lr, start, busiest)
+    _check_untouched(model, fingerprint)
+    model = copied
     model.zero_grad(set_to_none=True)  # the copy's gradients: freed before the audit goes on
     new = _numpy(_parameters(model))
     _check_repeatable(scaled, new, old)
