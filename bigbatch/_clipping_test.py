@@ -43,6 +43,14 @@ def test_the_window_clipped_once_is_exact_with_its_scale_and_norm(num_devices):
     report = run(layout, grads, np.where(layout.items > 0, 0.6, np.nan), max_grad_norm=c)
     assert report.passed and report.clip_kept
     assert "(= the max_grad_norm you passed)" in report.summary()
+    # a clip at the threshold erases any constant factor before it: the report says so
+    assert "a constant factor before it (a count off, a loss scale not undone) cannot" in str(
+        report
+    )
+    # the summed gradient clipped to the threshold, then divided by N: c N is the threshold
+    total = float(layout.items.sum())
+    report = run(layout, grads, np.where(layout.items > 0, 0.6, np.nan), max_grad_norm=c * total)
+    assert report.clip_kept is False and "c N is the max_grad_norm you passed" in str(report)
     report = run(layout, grads, np.where(layout.items > 0, 0.6, np.nan), max_grad_norm=2 * c)
     assert report.verdict == "exact" and not report.passed and report.clip_kept is False
     # the threshold passed does not explain the clip: a clip at another one, or a count off

@@ -163,6 +163,27 @@ def _micro_batch_clip_notes(report: AuditReport, threshold: str) -> list[str]:
     return notes
 
 
+def _window_clip_caveats(report: AuditReport) -> list[str]:
+    """What a window clipped once hides: the summed gradient clipped before the division
+    (``c N`` the threshold passed), and any constant factor the clip erased."""
+    summed = report.clipped_to * report.items.sum()
+    if report.clip_kept is False and abs(summed - report.max_grad_norm) <= (
+        report.clip_tolerance * report.max_grad_norm
+    ):
+        return [
+            "c N is the max_grad_norm you passed: the SUMMED gradient was clipped, before"
+            " the division by the window's N (clip the window's gradient after it)"
+        ]
+    if report.clip_kept:
+        return [
+            "the clip sets the update's norm whatever the gradient's scale: a constant factor"
+            " before it (a count off, a loss scale not undone) cannot show here; audit once"
+            f" more with a max_grad_norm above |g| = {report.grad_norm:#.4g} in your loop and"
+            " here to see it"
+        ]
+    return []
+
+
 def _clip_notes(report: AuditReport) -> list[str]:
     """What the audit saw of clipping, and of the ``max_grad_norm`` you passed."""
     said = _threshold(report)
@@ -171,7 +192,8 @@ def _clip_notes(report: AuditReport) -> list[str]:
         return [
             f"clipped once per window: every weight is {report.verdict}'s times"
             f" {report.clip_scale:.4g} = c / |g|, c = {report.clipped_to:#.4g} (the norm of the"
-            f" applied gradient{threshold}), |g| = {report.grad_norm:#.4g} before the clip"
+            f" applied gradient{threshold}), |g| = {report.grad_norm:#.4g} before the clip",
+            *_window_clip_caveats(report),
         ]
     if report.verdict == CLIPPED_PER_MICRO_BATCH:
         return _micro_batch_clip_notes(report, threshold)
