@@ -87,7 +87,8 @@ Bugs::
 Audit (``docs/audit.md``; the report is ``bigbatch.AuditReport``, as in ``jaxaccum.audit``)::
 
     audit.audit_window(window_fn, loss_fn, model, batch, *, k=4, world_size=1,
-                       learning_rate=1.0, short_window=False, timeout_s=300.0) -> AuditReport
+                       learning_rate=1.0, short_window=False, max_grad_norm=None,
+                       timeout_s=300.0, progress=True) -> AuditReport
         window_fn(model, optimizer, microbatches) -> None   # your loop, one SGD update
         loss_fn(model, batch) -> (loss_sum, num_items)       # the reference summed loss
     audit.audit_hf_trainer(model, rows, *, k=4, world_size=1, timeout_s=300.0,

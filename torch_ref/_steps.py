@@ -122,17 +122,22 @@ def window_items(
     microbatch_items: Sequence[int],
     device: torch.device,
 ) -> float:
-    """N: this rank's items summed over the ranks (one all-reduce, with the micro-batch count).
+    """N: this rank's items summed over the ranks (one all-reduce, with the micro-batch count
+    and its square: the counts are all equal iff both sums are ``world_size`` times this
+    rank's). An empty ``microbatch_items`` is a rank whose micro-batches ran out (`train`).
 
     Raises:
       ValueError: the ranks pass different numbers of micro-batches.
     """
     k = len(microbatch_items)
-    items, ranks_k = sum_over_ranks(ddp, [float(sum(microbatch_items)), float(k)], device)
-    if ranks_k != k * world_size:
+    counts = [float(sum(microbatch_items)), float(k), float(k * k)]
+    items, ranks_k, ranks_k2 = sum_over_ranks(ddp, counts, device)
+    if ranks_k != k * world_size or ranks_k2 != k * k * world_size:
+        ran_out = " (its micro-batches ran out)" if k == 0 else ""
         raise ValueError(
-            f"microbatches: every rank must pass the same number of micro-batches; this rank "
-            f"has {k}, the {world_size} ranks have {int(ranks_k)} in total"
+            f"microbatches: every rank must pass the same number of micro-batches; this rank"
+            f" has {k}{ran_out}, the {world_size} ranks' counts differ (they total"
+            f" {int(ranks_k)})"
         )
     return items
 

@@ -146,6 +146,16 @@ def test_empty_window_raises_or_skips():
         train_update(model, empty, opt, empty_window="ignore")
 
 
+@pytest.mark.parametrize("bad", [-1.0, 0.0, float("nan"), "1", True])
+def test_a_bad_max_grad_norm_is_refused_naming_it(bad):
+    # -1 flipped the update, 0 zeroed it, NaN clipped nothing (min(1, nan) is 1): all silent
+    ids, labels = skewed_batch(5)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="max_grad_norm: expected None .* or a number > 0"):
+        train_update(model, microbatches(ids, labels, 2), opt, max_grad_norm=bad)
+
+
 def test_tail_window_is_weighted_by_its_real_count():
     """5 micro-batches, k=2: windows (2, 2, 1). The tail equals its own big batch."""
     ids, labels = skewed_batch(6, valid=(5, 40, 3, 12, 30), seq_len=48)

@@ -378,3 +378,34 @@ def test_no_thread_of_the_group_outlives_process_group():
     # the group's threads, under the names looked for (so that "none after" means something)
     assert "pt_gloo_runloop" in during, during
     assert after == "[]", run.stderr
+
+
+def _uneven_streams(rank: int, world_size: int) -> str:
+    """`torch_ref.train` under DDP with 5, 4 and 6 micro-batches on ranks 0, 1, 2 (k = 2):
+    the third window holds 1, 0 (ran out) and 2; this rank's error, or "no error"."""
+    from torch_ref import train
+
+    model = torch.nn.parallel.DistributedDataParallel(TinyGPT(CFG, seed=0))
+    ids, labels = skewed_batch(0)
+    rows = [0, 1, 4, 5, 6, 7]  # those with a label (rows 2 and 3 have none)
+    stream = [
+        {
+            "input_ids": torch.from_numpy(ids[r : r + 1]),
+            "labels": torch.from_numpy(labels[r : r + 1]),
+        }
+        for r in rows[: (5, 4, 6)[rank]]
+    ]
+    try:
+        train(model, stream, torch.optim.SGD(model.parameters(), lr=0.1), k=2)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_ranks_whose_micro_batches_run_out_unevenly_all_say_so():
+    # every rank raises ours, not gloo's "Connection closed by peer" (rank 1 left) or a hang
+    # (rank 0's count 1 is the mean of 1, 0, 2: the squares tell it from equal counts)
+    errors = ddp.run(3, _uneven_streams, timeout_s=120)
+    expected = "every rank must pass the same number of micro-batches; this rank has {}"
+    for rank, count in enumerate((1, "0 (its micro-batches ran out)", 2)):
+        assert expected.format(count) in errors[rank], errors
