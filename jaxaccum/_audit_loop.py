@@ -1,10 +1,12 @@
-"""Your loop for one update of the JAX audit: on its own copy of the parameters, twice.
+"""Your loop for one update of the JAX audit, run from the audit's ``params``.
 
-`audit_window` runs ``window_fn`` from a copy of ``params`` with the ``optax.sgd`` the
-audit hands over: once on a window of other items (discarded), then at
-``bigbatch.LR_SCALE`` x its learning rate, and refuses a loop whose update there is not
-that many times the audited one (`bigbatch.check_proportional`: it carries something
-over, or steps per micro-batch); ``audit_invariance`` runs each cut once. The audit's own ``params`` must come back untouched. As torch's
+`audit_window` runs ``window_fn`` with the ``optax.sgd`` the audit hands over: once on a
+window of other items (discarded), then at ``bigbatch.LR_SCALE`` x its learning rate,
+and refuses a loop whose update there is not that many times the audited one
+(`bigbatch.check_proportional`: it carries something over, or steps per micro-batch);
+``audit_invariance`` runs each cut once. The first call gets a copy of ``params``; a loop
+that did not donate that copy's buffers gets ``params`` themselves after it (one copy of
+the parameters less at the peak), which must come back untouched. As torch's
 `torch_ref._audit_loop`.
 """
 
@@ -36,11 +38,13 @@ def _update(
         for m in range(layout.k_window)
     ]
     reference = jax.tree.leaves(params)
+    donates = [True]  # until the first run shows the loop keeps its params' buffers
 
     def run(lr: float, window: list = microbatches) -> list:  # the new parameters' leaves
-        own = jax.tree.map(_copy, params)  # the loop's to change
+        own = jax.tree.map(lambda x: _copy(x) if donates[0] else _shared(x), params)
         fresh = [jax.tree.map(lambda x: x, mb) for mb in window]  # its own dicts, to pop from
         new_params = window_fn(own, fresh, optax.sgd(lr), **window_kwargs)
+        donates[0] = donates[0] and any(_deleted(x) for x in jax.tree.leaves(own))
         del own
         _check_untouched(params, reference)
         return jax.tree.leaves(_check_new_params(new_params, params))
@@ -60,6 +64,16 @@ def _update(
     return change
 
 
+def _shared(x: Any) -> Any:
+    """The audit's own leaf for a loop that did not donate its params' buffers (immutable: a
+    ``jax.Array``; a donation after all is refused by `_check_untouched`), else a `_copy`."""
+    return x if isinstance(x, jax.Array) else _copy(x)
+
+
+def _deleted(x: Any) -> bool:
+    return bool(getattr(x, "is_deleted", lambda: False)())
+
+
 def _copy(x: Any) -> Any:
     """A copy of a leaf in its own buffer, laid out as it is: the same sharding, committed
     to its devices or not as it was."""
@@ -71,21 +85,28 @@ def _copy(x: Any) -> Any:
 def _check_untouched(params: Any, reference: list) -> None:
     """The audit's starting point is still the one it measures from.
 
-    ``window_fn`` gets its own copy of ``params``; a loop that still reaches the
-    audit's arrays (a model object sharing them, a donated buffer) would move
-    the point every change is measured from.
+    A loop that reaches the audit's arrays (a model object sharing them, a buffer
+    donated after a first call that donated none) would move the point every change is
+    measured from.
     """
     leaves = jax.tree.leaves(params)
     same = len(leaves) == len(reference)
     moved = not same or any(a is not b for a, b in zip(leaves, reference, strict=True))
-    deleted = any(getattr(x, "is_deleted", lambda: False)() for x in reference)
-    if moved or deleted:
+    deleted = any(_deleted(x) for x in reference)
+    if deleted:
+        raise ValueError(
+            "window_fn: it donated the `params` it was given on this call, and not on its"
+            " first: after a first call that keeps its params' buffers, the audit hands the"
+            " loop its own params (the parameters every change is measured from), which are"
+            " now deleted. Donate them on every call, or on none."
+        )
+    if moved:
         raise ValueError(
             "window_fn: it changed the audit's own `params` (the parameters every change is"
-            f" measured from were {'deleted: donated' if deleted else 'replaced in place'})."
-            " window_fn receives a copy of params: update that copy and return the new"
+            " measured from were replaced in place)."
+            " window_fn receives a pytree of its own: update that and return the new"
             " parameters, without touching the object passed to the audit (with Flax NNX,"
-            " merge the copy it receives, nnx.merge(graphdef, params), rather than reuse a"
+            " merge the pytree it receives, nnx.merge(graphdef, params), rather than reuse a"
             " model that shares its variables with params)."
         )
 

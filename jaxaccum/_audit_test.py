@@ -219,6 +219,23 @@ def test_a_loop_that_pops_its_labels_runs_as_in_training():
     assert_recovers(audit(pops_labels, FULL, k=K), "exact")
 
 
+def test_a_loop_that_donates_its_params_after_its_first_call_is_refused():
+    # a loop that keeps its params' buffers on its first call gets the audit's own params
+    # after it (a copy less): a donation then would delete the point changes are read from
+    calls = []
+
+    def donates_later(params, microbatches, optimizer):
+        new = jaxaccum_window("one_device")(params, microbatches, optimizer)
+        calls.append(len(calls))
+        if len(calls) == 2:
+            jax.tree.map(lambda x: x.delete(), params)  # what donate_argnums does to them
+        return new
+
+    own = jax.tree.map(jnp.copy, PARAMS)  # the audit's, deleted by the loop: not the module's
+    with pytest.raises(ValueError, match="it donated the `params` it was given on this call"):
+        jaxaccum.audit.audit_window(donates_later, tiny_lm_loss, own, FULL, k=K, progress=False)
+
+
 def test_params_below_float32_are_refused_naming_the_dtype():
     bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), PARAMS)
     with pytest.raises(ValueError, match="params: expected float32 or wider.*bfloat16"):
