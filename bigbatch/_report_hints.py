@@ -81,10 +81,15 @@ def _no_reweighting(report: AuditReport) -> str:
     )
 
 
+def _zero_weights(report: AuditReport) -> np.ndarray:
+    """``[R, k]``: the cells with items that weigh 0 (an empty cell weighs nothing to fit)."""
+    return np.abs(np.nan_to_num(report.weights, nan=1.0)) <= report.weight_tolerance
+
+
 def _dropped_cells(report: AuditReport) -> str:
     """The cells with items that the update left out (weight 0), named: whole devices and
     micro-batches first, then single cells; "" if none."""
-    zero = np.abs(np.nan_to_num(report.weights, nan=1.0)) <= report.weight_tolerance
+    zero = _zero_weights(report)
     left_out = zero | (report.items == 0)
     devices = [r for r in range(zero.shape[0]) if zero[r].any() and left_out[r].all()]
     devices = devices if report.num_devices > 1 else []
@@ -102,7 +107,7 @@ def _dropped_cells(report: AuditReport) -> str:
 
 def _why_dropped(report: AuditReport) -> str:
     """The likely causes of cells that weigh 0."""
-    zero = np.abs(np.nan_to_num(report.weights, nan=1.0)) <= report.weight_tolerance
+    zero = _zero_weights(report)
     if report.num_devices > 1 and any(zero[r].all() for r in range(zero.shape[0])):
         return "a device's gradient left out of the all-reduce: a psum or a DDP sync missing"
     return (

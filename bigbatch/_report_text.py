@@ -150,10 +150,7 @@ def _micro_batch_clip_notes(report: AuditReport, threshold: str) -> list[str]:
         f" each (the norm of its share of the gradient{threshold})"
         + ("; the others, below c, added whole" if whole else "")
     ]
-    summed = report.clipped_to * report.items.sum()  # c N: the threshold before / N
-    if report.clip_kept is False and abs(summed - report.max_grad_norm) <= (
-        report.clip_tolerance * report.max_grad_norm
-    ):
+    if _summed_clipped(report):
         notes.append(
             "c N is the max_grad_norm you passed: each micro-batch's SUMMED gradient was"
             " clipped to it, before the division by the window's N"
@@ -163,13 +160,19 @@ def _micro_batch_clip_notes(report: AuditReport, threshold: str) -> list[str]:
     return notes
 
 
+def _summed_clipped(report: AuditReport) -> bool:
+    """``c N`` is the max_grad_norm you passed, where the clip was not at it: the SUMMED
+    gradient was clipped, before the division by the window's ``N``."""
+    summed = report.clipped_to * report.items.sum()
+    return report.clip_kept is False and abs(summed - report.max_grad_norm) <= (
+        report.clip_tolerance * report.max_grad_norm
+    )
+
+
 def _window_clip_caveats(report: AuditReport) -> list[str]:
     """What a window clipped once hides: the summed gradient clipped before the division
     (``c N`` the threshold passed), and any constant factor the clip erased."""
-    summed = report.clipped_to * report.items.sum()
-    if report.clip_kept is False and abs(summed - report.max_grad_norm) <= (
-        report.clip_tolerance * report.max_grad_norm
-    ):
+    if _summed_clipped(report):
         return [
             "c N is the max_grad_norm you passed: the SUMMED gradient was clipped, before"
             " the division by the window's N (clip the window's gradient after it)"
