@@ -56,7 +56,8 @@ def unknown_because(report: AuditReport) -> str:
         name, scale = scaled[0]
         weights = "the big batch's" if name == EXACT else f"{name}'s"
         clip = ", or a clip of the window you did not tell the audit of (max_grad_norm=)"
-        return f"{weights} weights times {scale:.4g}: {DIVISOR_OFF}" + clip * (scale < 1)
+        causes = divisor_off(report, scale) + clip * (scale < 1)
+        return f"{weights} weights times {scale:.4g}: {causes}"
     closest = min(report.form_errors, key=report.form_errors.get)
     return (
         f"a reweighting, but of no known form (closest: {closest}, off by"
@@ -130,6 +131,19 @@ def scaled_forms(report: AuditReport) -> list[tuple[str, float]]:
     return found
 
 
+def divisor_off(report: AuditReport, scale: float) -> str:
+    """The causes of weights off by one factor, ``scale``; first, in a short window where
+    it is ``k / k_tail``, the divisor of the window's own micro-batches where a form has k."""
+    k_window = report.items.shape[1]
+    if k_window < report.k and abs(scale * k_window / report.k - 1) <= report.weight_tolerance:
+        return (
+            f"that factor is k / k_tail = {report.k} / {k_window}: a division by the"
+            f" {k_window} micro-batches this short window holds (len(microbatches)) where the"
+            f" form divides by k; or {DIVISOR_OFF}"
+        )
+    return DIVISOR_OFF
+
+
 def other_readings(report: AuditReport) -> list[str]:
     """For a window read as clipped once: the forms whose weights, times a factor above 1, are
     the same weights (no clip then, but a divisor off): the window cannot tell them apart."""
@@ -137,7 +151,7 @@ def other_readings(report: AuditReport) -> list[str]:
         return []
     return [
         f"the same weights are {'the big batch' if name == EXACT else name}'s times"
-        f" {scale:.4g}: no clip then, but {DIVISOR_OFF}"
+        f" {scale:.4g}: no clip then, but {divisor_off(report, scale)}"
         for name, scale in scaled_forms(report)
         if scale > 1 + report.weight_tolerance
     ]

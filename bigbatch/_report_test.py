@@ -88,6 +88,20 @@ def test_a_clip_reading_names_the_form_a_factor_above_one_would_give():
     )
 
 
+def test_a_mean_of_means_over_a_short_windows_own_micro_batches_is_named():
+    # a short window of 2 micro-batches (k = 4), each device's means divided by
+    # len(microbatches) = 2, not k: mean_of_means times k / k_tail = 2
+    items = ITEMS[:, :2]
+    report = report_of(bigbatch.form_weights("mean_of_means", items, k=2), items, k=4)
+    assert (
+        "mean_of_means's times 2: no clip then, but that factor is k / k_tail = 4 / 2: a"
+        " division by the 2 micro-batches this short window holds (len(microbatches))"
+    ) in str(report)
+    # the same factor in a full window is no such division: the general causes only
+    report = report_of(2.0 * bigbatch.form_weights("mean_of_means", ITEMS, k=4), ITEMS, k=4)
+    assert "k / k_tail" not in str(report)
+
+
 def test_a_residual_names_other_loss_units_and_the_device_count():
     # one device: the big batch's gradient plus random noise, which no reweighting explains
     noise = np.random.default_rng(1).normal(size=4 * ITEMS.size)

@@ -45,7 +45,10 @@ def accumulate_gradients(
         its ``nnx.Param`` state from ``nnx.split`` and merge it in ``loss_fn``).
       microbatches: pytree whose leaves have a leading micro-batch axis ``k``,
         then the rows: on a mesh, split the rows over ``axis_name``
-        (``P(None, "data")``), never the micro-batch axis.
+        (``P(None, "data")``). A split micro-batch axis (``P("data")``) gives
+        the same sums, but each device then scans its ``k / devices``
+        micro-batches of every row: as many activations per device as the
+        unsplit rows.
       axis_name: the mesh axis the batch is split over (``jax.jit`` on an
         Explicit mesh, ``shard_map`` or ``pmap``), or ``None`` (one device, or
         ``jit`` with the partitioner reducing each micro-batch).

@@ -24,7 +24,7 @@ from jaxaccum._sharding import AxisName
 def per_device_under_jit(grad, params, args, axis_name):
     """``grad(params, *args)`` by the mesh's route (see the module docstring): ``(grads,
     (values, extra))``, ``grads`` and ``values`` each device's partial sums."""
-    with _lookup_errors_explained(axis_name):
+    with _route_errors_explained(axis_name):
         if jax.sharding.get_abstract_mesh().size == 1:
             return _on_one_device(grad, params, args, axis_name)
         if not batch_only_mesh(axis_name):
@@ -61,10 +61,12 @@ def _in_shard_map(grad, params, args, axis_name):
 
 
 @contextlib.contextmanager
-def _lookup_errors_explained(axis_name: AxisName) -> Iterator[None]:
-    """JAX's errors for a lookup by batch-sharded indices on the two routes, with the way
-    to write it that holds there and under plain ``jit`` (``P(*jax.typeof(tokens).sharding
-    .spec, None)``: the indices' own layout, whatever the route makes of it)."""
+def _route_errors_explained(axis_name: AxisName) -> Iterator[None]:
+    """JAX's errors for what the two routes ask of a model, with the way to write it that
+    holds there and under plain ``jit``: a lookup by batch-sharded indices (``P(*jax.typeof(
+    tokens).sharding.spec, None)``: the indices' own layout, whatever the route makes of
+    it), and a ``reduced`` parameter met elementwise by batch-sharded activations (a note
+    on JAX's own error: cast it back in the model)."""
     lookup = (
         " For a lookup: table.at[tokens].get(out_sharding=P(*jax.typeof(tokens).sharding.spec,"
         " None)), or nnx.Embed's embed(tokens, out_sharding=...) with that spec."
@@ -89,6 +91,19 @@ def _lookup_errors_explained(axis_name: AxisName) -> Iterator[None]:
                 " own type, P(*jax.typeof(x).sharding.spec, ...), which holds there and under"
                 " plain jit." + lookup
             ) from error
+        raise
+    except Exception as error:
+        if type(error).__name__ == "ShardingTypeError" and "another input is reduced" in str(
+            error
+        ):  # a bias or a norm scale, reduced, added to batch-sharded activations
+            error.add_note(
+                "jaxaccum.value_and_grad: on a mesh with axes besides the batch's, the"
+                f" parameters are cast to `reduced` over {axis_name!r} (their gradients stay"
+                " per-device partial sums). A parameter that meets batch-sharded activations"
+                " elementwise (a bias, a norm scale) must be cast back in the model:"
+                " jax.reshard(b, jax.P(*jax.typeof(b).sharding.spec.partitions)) (jax.P() for a"
+                " replicated one); its gradient, small, is then reduced on every micro-step."
+            )
         raise
 
 

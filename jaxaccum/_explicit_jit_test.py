@@ -409,6 +409,36 @@ def test_a_mesh_with_a_model_axis_asks_the_lookup_for_its_out_sharding():
         sgd_window_update(mesh, embedding_loss("table[tokens]"))
 
 
+@pytest.mark.parametrize("bias_spec", [P(), P("model")])
+def test_a_bias_on_a_mesh_with_a_model_axis_is_explained_and_its_fix_is_exact(bias_spec):
+    # the parameters are `reduced` over "data", and JAX refuses one added to batch-sharded
+    # activations: jaxaccum notes the cast back on JAX's error, and that cast is exact
+    def loss_fn(params, batch, bias=lambda b: b):
+        y = batch["x"] @ params["w"] + bias(params["b"])[None, :]
+        return jnp.sum(y**2), jnp.float32(y.size)
+
+    cast_back = lambda b: jax.reshard(b, P(*jax.typeof(b).sharding.spec.partitions))
+    rng = np.random.default_rng(0)
+    params = {"w": rng.normal(size=(4, 6)).astype(np.float32), "b": np.ones(6, np.float32)}
+    micro = {"x": rng.normal(size=(K, 8, 4)).astype(np.float32)}  # [k, rows, features]
+    whole = {"x": micro["x"].reshape(-1, 4)}
+    expected = jax.grad(lambda p: (lambda s, n: s / n)(*loss_fn(p, whole)))(params)
+    with jax.set_mesh(jax.make_mesh((DEVICES, 2), ("data", "model"))):
+        placed = {"w": jax.device_put(params["w"], P(None, "model")),
+                  "b": jax.device_put(params["b"], bias_spec)}  # fmt: skip
+        micro = jax.device_put(micro, P(None, "data"))
+        scan = lambda f: jax.jit(partial(jaxaccum.accumulate_gradients, f, axis_name="data"))
+        grads, _ = scan(partial(loss_fn, bias=cast_back))(placed, micro)
+        with pytest.raises(Exception, match="reduced on") as raised:
+            scan(loss_fn)(placed, micro)
+    assert "jax.reshard(b, jax.P(*jax.typeof(b).sharding.spec.partitions))" in "".join(
+        raised.value.__notes__
+    )
+    # fp32 gradients of O(10): the same terms summed in another order, a few ulps
+    for name, g in expected.items():
+        np.testing.assert_allclose(np.asarray(grads[name]), g, rtol=1e-5, atol=1e-5)
+
+
 def test_a_spec_naming_the_batch_axis_in_the_per_device_loss_is_explained():
     # a batch-only mesh of 4: the loss runs in a shard_map, where "data" is Manual, and JAX
     # refuses out_sharding=P("data"); the spec of the indices' own type holds there
@@ -426,15 +456,21 @@ def test_a_spec_naming_the_batch_axis_in_the_per_device_loss_is_explained():
 
 
 @pytest.mark.slow
-def test_accumulate_gradients_under_plain_jit_reduces_once_after_the_scan():
+@pytest.mark.parametrize("split", ["rows", "micro-batches"])
+def test_accumulate_gradients_under_plain_jit_reduces_once_after_the_scan(split):
+    # the docstring's layout splits the rows; a split micro-batch axis gives the same sums
     mesh = jax.make_mesh((DEVICES,), ("data",))
     windows = skewed_windows(WindowSplit(DEVICES, K, 2), 1, seed=5)
     micro = jax.tree.map(lambda x: x[0].transpose(1, 0, 2, 3).reshape(K, -1, x.shape[-1]), windows)
+    spec = P(None, "data")
+    if split == "micro-batches":  # [k, 8 rows] -> [4k, 2 rows]: k micro-batches per device
+        micro = jax.tree.map(lambda x: x.reshape(DEVICES * K, -1, x.shape[-1]), micro)
+        spec = P("data")
     with jax.set_mesh(mesh):
         params = jax.device_put(tiny_lm_params(), P())
         fn = jax.jit(partial(jaxaccum.accumulate_gradients, tiny_lm_loss, axis_name="data"))
-        grads, metrics = fn(params, jax.device_put(micro, P(None, "data")))
-        hlo = fn.lower(params, jax.device_put(micro, P(None, "data"))).compile().as_text()
+        grads, metrics = fn(params, jax.device_put(micro, spec))
+        hlo = fn.lower(params, jax.device_put(micro, spec)).compile().as_text()
     whole = jax.tree.map(lambda x: x[0], big_batch(windows))
     expected = jax.grad(lambda p: (lambda s, n: s / n)(*tiny_lm_loss(p, whole)))(tiny_lm_params())
     # fp32 gradients of O(1): the same terms in another order, a few ulps

@@ -67,9 +67,10 @@ def value_and_grad(
       gradients come out ``unreduced`` and the model's own sharding annotations
       stay valid. JAX accepts a reduced parameter in a matmul, and in a gather
       given its ``out_sharding``; where one meets batch-sharded activations
-      elementwise (a bias, a norm scale), cast it back with
-      ``jax.reshard(p, jax.P())`` in the model (its gradient, small, is then
-      reduced on every micro-step);
+      elementwise (a bias, a norm scale), cast it back in the model with
+      ``jax.reshard(b, jax.P(*jax.typeof(b).sharding.spec.partitions))``
+      (``jax.P()`` for a replicated one; its gradient, small, is then reduced
+      on every micro-step; JAX's error for a missing cast carries this note);
     * under ``jax.jit`` on a mesh of one device, the batch (and an FSDP
       parameter) is replicated, which is free there, and the gradient declared
       ``unreduced``: JAX fails a lookup on both routes above on one device;
