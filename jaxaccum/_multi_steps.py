@@ -224,7 +224,7 @@ def _close_window(settings, inner, slot, state, params, dynamic):
         totals.grads, totals.grad_norm, settings.max_grad_norm
     )
     nonempty = totals.window_items > 0
-    bad_loss = state.loss_known & nonempty & ~jnp.isfinite(totals.loss)
+    bad_loss = nonempty & ~jnp.isfinite(totals.loss)  # a call without loss_sum adds 0
     finite = jnp.isfinite(totals.grad_norm) & jnp.isfinite(totals.window_items) & ~bad_loss
     apply = finite & nonempty
     if settings.nonfinite == "raise":

@@ -200,6 +200,23 @@ def test_nonfinite_window_is_skipped_and_the_state_stays_clean(bad):
     assert int(jaxaccum.window_metrics(state).update_id) == 1
 
 
+def test_a_nonfinite_loss_skips_the_window_when_another_call_omits_loss_sum():
+    # the loss of the window is then unknown (NaN in the record), but the sum of the losses
+    # that were passed is not finite: the window is skipped as the README says
+    tx = jaxaccum.multi_steps(optax.sgd(1.0), 2)
+    params = {"w": jnp.array(0.0)}
+    state = tx.init(params)
+    _, state = tx.update({"w": jnp.array(1.0)}, state, params, num_items=1.0, loss_sum=jnp.nan)
+    updates, state = tx.update({"w": jnp.array(1.0)}, state, params, num_items=1.0)
+    metrics = jaxaccum.window_metrics(state)
+    assert float(updates["w"]) == 0.0 and bool(metrics.skipped)
+    assert int(metrics.skip_reason) == 2 and int(metrics.update_id) == 0
+    # finite losses with one call omitting loss_sum: applied, the loss unknown (NaN)
+    _, state = tx.update({"w": jnp.array(1.0)}, state, params, num_items=1.0, loss_sum=3.0)
+    updates, state = tx.update({"w": jnp.array(1.0)}, state, params, num_items=1.0)
+    assert float(updates["w"]) == -1.0 and np.isnan(float(jaxaccum.window_metrics(state).loss))
+
+
 def test_no_recompilation_and_bf16_params_keep_their_dtypes():
     params = {"w": jnp.ones((3,), jnp.bfloat16), "b": jnp.zeros((), jnp.bfloat16)}
     tx = jaxaccum.multi_steps(optax.adamw(1e-2), 3)

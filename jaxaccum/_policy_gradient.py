@@ -96,12 +96,14 @@ def policy_gradient(
       per_token_loss: ``[..., T]`` float, the loss of every completion token
         (:func:`policy_token_loss`, plus anything else per token).
       mask: ``[..., T]``, same shape, bool or 0/1: which tokens are completion
-        tokens that carry loss (values are used as weights).
+        tokens that carry loss (values are used as weights: non-negative).
       loss_type: one of :data:`LOSS_TYPES`.
-      max_completion_length: the generation budget ``L`` in tokens; required
-        for ``"dr_grpo"`` (and must be ``>= T``), ignored otherwise.
+      max_completion_length: the generation budget ``L`` in tokens, the constant
+        ``dr_grpo`` divides by (required there, ignored otherwise); ``T``, the
+        padded width, may exceed it, as TRL pads to ``pad_to_multiple_of``.
       sequence_mask: ``[...]`` (``mask``'s shape without ``T``), bool or 0/1: which
-        rows are sequences, counted by ``grpo``, ``sapo``, ``luspo`` and ``dr_grpo``.
+        rows are sequences, counted by ``grpo``, ``sapo``, ``luspo`` and ``dr_grpo``;
+        a row outside it is padding for every loss type (its tokens carry no loss).
         Default: the rows with a valid token (an all-False row is padding). TRL
         counts every row: with its ``mask_truncated_completions=True``, which masks
         a truncated completion whole, pass the rows that are completions (all True
@@ -113,7 +115,7 @@ def policy_gradient(
 
     Raises:
       ValueError: unknown ``loss_type``; ``dr_grpo`` without a positive
-        ``max_completion_length`` or with ``T > max_completion_length``; shapes
+        ``max_completion_length``; shapes
         of ``per_token_loss`` and ``mask`` that differ, or a ``sequence_mask``
         whose shape is not ``mask``'s without its last axis.
 
@@ -134,7 +136,7 @@ def policy_gradient(
     per_token_loss, mask = jnp.asarray(per_token_loss), jnp.asarray(mask)
     check_same_shape("policy_gradient", per_token_loss=per_token_loss, mask=mask)
     if loss_type == "dr_grpo":
-        _check_max_completion_length(max_completion_length, per_token_loss.shape[-1])
+        _check_max_completion_length(max_completion_length)
 
     is_sequence = _sequences(sequence_mask, mask)
     weights = jnp.where(is_sequence[..., None], mask.astype(jnp.float32), 0.0)  # padding: none
@@ -180,7 +182,7 @@ def check_same_shape(where: str, **arrays: jax.Array) -> None:
         raise ValueError(f"{where}: {names} must have the same shape [..., T]; got {got}.")
 
 
-def _check_max_completion_length(max_completion_length: object, tokens: int) -> None:
+def _check_max_completion_length(max_completion_length: object) -> None:
     if (
         max_completion_length is None
         or isinstance(max_completion_length, bool)
@@ -191,9 +193,4 @@ def _check_max_completion_length(max_completion_length: object, tokens: int) -> 
             "policy_gradient: loss_type='dr_grpo' divides by the constant"
             " sequences x `max_completion_length`; pass max_completion_length="
             f" a positive int (the generation budget); got {max_completion_length!r}."
-        )
-    if tokens > max_completion_length:
-        raise ValueError(
-            f"policy_gradient: `per_token_loss` has {tokens} tokens per sequence, more than"
-            f" max_completion_length={max_completion_length}."
         )

@@ -15,7 +15,7 @@ import pytest
 import bigbatch
 import jaxaccum
 from jaxaccum._policy_gradient import ITEMS, LOSS_TYPES, policy_gradient
-from jaxaccum._policy_token_loss import policy_token_loss
+from jaxaccum._policy_token_loss import IMPORTANCE_SAMPLING_LEVELS, policy_token_loss
 from testkit import audited_loops as loops
 from testkit.modes import mode_for
 
@@ -134,10 +134,9 @@ def test_errors():
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ValueError, match="max_completion_length"):
             policy_gradient(LOSS, MASK, loss_type="dr_grpo", max_completion_length=bad)
-    with pytest.raises(
-        ValueError, match="3 tokens per sequence, more than max_completion_length=2"
-    ):
-        policy_gradient(LOSS, MASK, loss_type="dr_grpo", max_completion_length=2)
+    # a padded width T = 3 above L = 2 is TRL's pad_to_multiple_of: the constant stays L
+    padded = policy_gradient(LOSS, MASK, loss_type="dr_grpo", max_completion_length=2)
+    assert (float(padded[0]), float(padded[1])) == (6.0, 4.0)  # 2 sequences x L = 2, exact
     with pytest.raises(ValueError, match=r"same shape.*\(3, 3\) and \(3, 2\)"):
         policy_gradient(LOSS, MASK[:, :2], loss_type="dapo")
     # max_completion_length is ignored by the other types (TRL configs always carry it)
@@ -235,16 +234,20 @@ def test_sequence_level_importance_sampling_and_kl():
 def test_masked_garbage_never_reaches_the_loss_or_its_gradient():
     logps = jnp.array([[-0.5, jnp.nan, jnp.inf], [-1.0, -jnp.inf, 1e30]])
     mask = jnp.array([[1, 0, 0], [1, 0, 0]])
-    # every type, and the sequence-level ratio once (one path for all types)
-    cases = [(t, "token") for t in LOSS_TYPES] + [("luspo", "sequence")]
+    # advantages per sequence, and per token with NaN and inf under the mask: a sequence
+    # ratio gathers the gradient of every token, masked ones too
+    per_token = jnp.array([[1.0, jnp.nan, jnp.inf], [-1.0, jnp.nan, -jnp.inf]])
+    advantages = {"sequence": jnp.array([1.0, -1.0]), "token": per_token}
+    levels = IMPORTANCE_SAMPLING_LEVELS
+    cases = [(t, level, a) for t in LOSS_TYPES for level in levels for a in advantages]
 
     def losses(lp):  # one program for every case: one compilation
         return jnp.stack([
             jnp.sum(policy_token_loss(
-                lp, logps * 0.5, jnp.array([1.0, -1.0]), mask, loss_type=loss_type,
+                lp, logps * 0.5, advantages[per], mask, loss_type=loss_type,
                 importance_sampling_level=level, beta=0.04, ref_logps=logps - 1.0,
             ))
-            for loss_type, level in cases
+            for loss_type, level, per in cases
         ])  # fmt: skip
 
     values, grads = jax.jit(lambda lp: (losses(lp), jax.jacrev(losses)(lp)))(logps)
@@ -269,6 +272,19 @@ def test_token_loss_errors():
     # advantages per token are TRL's (B, T) form
     per_token = policy_token_loss(LOGPS, OLD, jnp.stack([ADV, ADV], 1), ONES, loss_type="dapo")
     np.testing.assert_array_equal(per_token, token_loss("dapo"))
+    with pytest.raises(TypeError, match="`beta` must be a Python float.*traced"):
+        jax.jit(lambda beta: token_loss("grpo", beta=beta, ref_logps=OLD))(0.04)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_bfloat16_log_probs_give_the_float32_loss_under_strict_promotion(loss_type):
+    # the tests run with strict dtype promotion; bfloat16 log-probs (a bf16 model's) are
+    # cast to float32 first: the loss of the same values given in float32, bit for bit
+    low = LOGPS.astype(jnp.bfloat16)
+    loss = policy_token_loss(low, OLD, ADV, ONES, loss_type=loss_type, beta=0.04, ref_logps=OLD)
+    same = token_loss(loss_type, low.astype(jnp.float32), beta=0.04, ref_logps=OLD)
+    assert loss.dtype == jnp.float32
+    np.testing.assert_array_equal(loss, same)
 
 
 # ---- every type is invariant under multi_steps: jaxaccum.audit.audit_invariance ---------------

@@ -76,7 +76,8 @@ def policy_token_loss(
       old_logps: ``[..., T]`` the log-probs of the policy that sampled them, or
         None for ``stop_gradient(logps)`` (TRL's on-policy case).
       advantages: ``[...]`` one per sequence, or ``[..., T]`` one per token.
-      mask: ``[..., T]`` bool or 0/1, the completion tokens that carry loss.
+      mask: ``[..., T]`` bool or 0/1 (non-negative weights), the completion
+        tokens that carry loss.
       loss_type: one of :data:`LOSS_TYPES`.
       epsilon: ``GRPOConfig``'s field of this name, as are ``epsilon_high``,
         ``delta``, ``importance_sampling_level``, ``sapo_temperature_pos``,
@@ -95,6 +96,7 @@ def policy_token_loss(
     Raises:
       ValueError: an unknown ``loss_type`` or ``importance_sampling_level``;
         shapes that differ; ``beta != 0`` without ``ref_logps``.
+      TypeError: a traced ``beta``.
 
     Example:
       >>> import jax.numpy as jnp
@@ -185,19 +187,29 @@ def _token_inputs(
             "policy_token_loss: `advantages` must be [...] (one per sequence) or [..., T]"
             f" (one per token) for a mask of shape {mask.shape}; got {advantages.shape}."
         )
-    dtype = jnp.promote_types(logps.dtype, jnp.float32)
+    # chosen without jnp.promote_types, which strict dtype promotion refuses for bfloat16
+    dtype = jnp.float64 if logps.dtype == jnp.float64 else jnp.float32
     weights = mask.astype(dtype)
     clean = lambda x: jnp.where(weights != 0, x.astype(dtype), 0.0)
     if advantages.ndim < mask.ndim:
         advantages = advantages[..., None]
+    # a sequence ratio gathers every token's gradient: a NaN advantage under the mask would
+    # reach it as 0 * NaN, so the advantages too are 0 there
+    advantages = clean(jnp.broadcast_to(advantages, mask.shape))
     ref = None if ref_logps is None else clean(others["ref_logps"])
-    return clean(logps), clean(others["old_logps"]), ref, advantages.astype(dtype), weights
+    return clean(logps), clean(others["old_logps"]), ref, advantages, weights
 
 
 def _check_token_options(
     loss_type: object, importance_sampling_level: object, beta: float, ref_logps: object
 ) -> None:
     check_loss_type(loss_type, "policy_token_loss")
+    if isinstance(beta, jax.core.Tracer):
+        raise TypeError(
+            "policy_token_loss: `beta` must be a Python float (GRPOConfig's, fixed for the"
+            " run: it decides whether the KL term is computed); got a traced value. Close"
+            " over it, or mark it static in jax.jit."
+        )
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(
             "policy_token_loss: `importance_sampling_level` must be one of"

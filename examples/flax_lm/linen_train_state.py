@@ -45,9 +45,10 @@ class AccumTrainState(train_state.TrainState):
 
     @property
     def micro_step(self) -> jax.Array:
-        """Micro-batches seen: what a dropout key is folded with (``step`` holds still
-        through a window)."""
-        return jaxaccum.window_metrics(self.opt_state).micro_step
+        """Micro-batches seen, one more on every call: what a dropout key is folded with
+        (``step`` holds still through a window, and so does the window record's
+        ``micro_step``: both change at a boundary only)."""
+        return self.opt_state.micro_step
 
     def apply_gradients(self, *, grads, num_items, loss_sum=None, end_window=False, **kwargs):
         """One micro-batch: ``grads`` of the SUMMED loss, ``num_items`` the items it adds up."""
@@ -119,12 +120,14 @@ def main() -> int:
         f"Linen bigram LM, AccumTrainState with jaxaccum.multi_steps(adam, k={K}) vs a plain"
         " TrainState on the big batch"
     )
-    for _ in range(UPDATES):
+    for update in range(UPDATES):
         tokens, labels = data.skewed_batch(rng, rows=16, seq_len=64)
         big = big_batch_step(big, tokens, labels)
         tok, lab = data.split_rows(tokens, labels, devices=1, k=K)
         for m in range(K):
             accum = accum_step(accum, tok[0, m], lab[0, m])
+            # a new value on every call: a dropout key folded with it draws a new mask
+            assert int(accum.micro_step) == update * K + m + 1, int(accum.micro_step)
         metrics = jaxaccum.window_metrics(accum.opt_state)
         gap = max(
             float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
