@@ -11,7 +11,7 @@ a reweighting of the gradients ``G_c`` of the cells' SUMMED losses::
 and differs only in ``w_c`` (``docs/math.md`` derives each one):
 
     exact                   1 / N
-    mean_of_means           1 / (k R n_c)
+    mean_of_means           1 / (k R n_c)         k: the micro-batches this window holds
     mean_of_global_means    1 / (k M_m)           M_m = sum_r n_rm: micro-batch m's items
     missing_1_over_k        1 / (R n_c)
     local_denominator       1 / (R N_r)
@@ -28,8 +28,11 @@ depend on the gradients, ``bigbatch._clipping``):
     clipped_per_micro_batch min(1, c / |g_m|) / N  g_m = sum_r G_rm / N: micro-batch m's share
 
 Here every weight is written as a multiple of the big batch's ``1 / N``, so
-``exact`` is 1 in every cell. In a short window ``k`` stays the nominal number
-of micro-batches: it is the constant such code divides by. ``mean_of_global_means``
+``exact`` is 1 in every cell. In a short window of ``k_tail`` micro-batches the
+means are averaged over ``k_tail`` (``len(microbatches)``, Hugging Face's
+current accumulation steps); a loop that divides the tail by the nominal ``k``
+(nanoGPT's constant) weighs ``k_tail / k`` of that, a second bug
+(``docs/math.md`` section 6), which the audit's note names. ``mean_of_global_means``
 is what a mean per micro-batch computes under a global view of the devices
 (``jax.jit`` with the batch sharded, GSPMD): on one device it *is* ``mean_of_means``.
 """
@@ -131,12 +134,13 @@ def form_weights(
 
     .. math::
 
-       \\frac{w_c}{1/N} = 1,\\ \\frac{N}{k R n_c},\\ \\frac{N}{k M_m},\\ \\frac{N}{R n_c},\\
-       \\frac{N}{R N_r},\\ \\frac{1}{R},\\ \\frac{k_{tail}}{k},\\ \\frac{N}{N + F}
+       \\frac{w_c}{1/N} = 1,\\ \\frac{N}{k_w R n_c},\\ \\frac{N}{k_w M_m},\\ \\frac{N}{R n_c},\\
+       \\frac{N}{R N_r},\\ \\frac{1}{R},\\ \\frac{k_w}{k},\\ \\frac{N}{N + F}
 
     for ``exact``, ``mean_of_means``, ``mean_of_global_means``, ``missing_1_over_k``,
     ``local_denominator``, ``ddp_average_forgotten``, ``fixed_divisor_tail`` and
-    ``first_label_counted``.
+    ``first_label_counted``, with ``k_w`` the window's micro-batches (``k``, or
+    ``k_tail`` in a short window).
 
     Args:
       name: one of :data:`FORM_NAMES` or :data:`COUNT_FORMS`.
@@ -172,8 +176,8 @@ def form_weights(
     with np.errstate(divide="ignore", invalid="ignore"):
         weights = {
             EXACT: np.ones_like(items),
-            MEAN_OF_MEANS: total / (k * num_devices * items),
-            MEAN_OF_GLOBAL_MEANS: total / (k * microbatch_items),
+            MEAN_OF_MEANS: total / (k_window * num_devices * items),
+            MEAN_OF_GLOBAL_MEANS: total / (k_window * microbatch_items),
             MISSING_1_OVER_K: total / (num_devices * items),
             LOCAL_DENOMINATOR: total / (num_devices * device_items),
             DDP_AVERAGE_FORGOTTEN: np.full_like(items, 1.0 / num_devices),

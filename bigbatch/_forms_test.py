@@ -40,6 +40,20 @@ def test_the_global_mean_of_means_is_the_mean_of_means_on_one_device():
     )
 
 
+def test_a_short_window_averages_its_own_micro_batches_means():
+    # a tail of 2 micro-batches of k = 4: the means averaged over the 2 (docs/math.md
+    # section 6: a constant k on top is the fixed divisor's k_tail / k, a second bug)
+    items = np.array([[5.0, 7.0], [3.0, 1.0]])  # N = 16, micro-batches of 8 and 8 items
+    np.testing.assert_allclose(
+        bigbatch.form_weights("mean_of_means", items, k=4),
+        [[16 / (2 * 2 * 5), 16 / (2 * 2 * 7)], [16 / (2 * 2 * 3), 16 / (2 * 2 * 1)]],
+        rtol=RTOL,
+    )
+    np.testing.assert_allclose(
+        bigbatch.form_weights("mean_of_global_means", items, k=4), np.ones((2, 2)), rtol=RTOL
+    )
+
+
 def test_fixed_divisor_tail_is_k_tail_over_k():
     items = np.array([[5.0, 7.0]])  # a tail of 2 micro-batches of a window of k = 4
     np.testing.assert_allclose(
@@ -81,8 +95,8 @@ def test_the_numbers_of_the_math_doc():
             ),
         ),  # fmt: skip
         ((1, 2), 4, ("exact", "mean_of_means", "missing_1_over_k", "fixed_divisor_tail")),
-        # a one-cell tail: dividing it by its own items is right, so no missing 1/k there
-        ((1, 1), 2, ("exact", "mean_of_means", "fixed_divisor_tail")),
+        # a one-cell tail: dividing it by its own items is right, and so is its one mean
+        ((1, 1), 2, ("exact", "fixed_divisor_tail")),
     ],
 )
 def test_checkable_forms(shape, k, forms):

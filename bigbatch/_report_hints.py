@@ -132,16 +132,23 @@ def scaled_forms(report: AuditReport) -> list[tuple[str, float]]:
 
 
 def divisor_off(report: AuditReport, scale: float) -> str:
-    """The causes of weights off by one factor, ``scale``; first, in a short window where
-    it is ``k / k_tail``, the divisor of the window's own micro-batches where a form has k."""
+    """The causes of weights off by one factor, ``scale``: first the short window's own,
+    when there is one (:func:`tail_factor`)."""
+    tail = tail_factor(report, scale)
+    return f"{tail}; or {DIVISOR_OFF}" if tail else DIVISOR_OFF
+
+
+def tail_factor(report: AuditReport, scale: float) -> str:
+    """In a short window of ``k_tail`` micro-batches, a factor ``k_tail / k``: the tail
+    divided by the nominal ``k`` (``docs/math.md`` section 6); else ``""``."""
     k_window = report.items.shape[1]
-    if k_window < report.k and abs(scale * k_window / report.k - 1) <= report.weight_tolerance:
+    if k_window < report.k and abs(scale * report.k / k_window - 1) <= report.weight_tolerance:
         return (
-            f"that factor is k / k_tail = {report.k} / {k_window}: a division by the"
-            f" {k_window} micro-batches this short window holds (len(microbatches)) where the"
-            f" form divides by k; or {DIVISOR_OFF}"
+            f"that factor is k_tail / k = {k_window} / {report.k}: the short window divided by"
+            f" the nominal k where it holds {k_window} micro-batches (a constant"
+            " gradient_accumulation_steps, as nanoGPT's loop divides by)"
         )
-    return DIVISOR_OFF
+    return ""
 
 
 def other_readings(report: AuditReport) -> list[str]:

@@ -88,18 +88,19 @@ def test_a_clip_reading_names_the_form_a_factor_above_one_would_give():
     )
 
 
-def test_a_mean_of_means_over_a_short_windows_own_micro_batches_is_named():
-    # a short window of 2 micro-batches (k = 4), each device's means divided by
-    # len(microbatches) = 2, not k: mean_of_means times k / k_tail = 2
+def test_a_short_window_divided_by_the_nominal_k_is_named():
+    # a short window of 2 micro-batches (k = 4): means averaged over len(microbatches) are
+    # the mean of means; nanoGPT's constant k weighs k_tail / k = 1/2 of that (math.md 6)
     items = ITEMS[:, :2]
-    report = report_of(bigbatch.form_weights("mean_of_means", items, k=2), items, k=4)
-    assert (
-        "mean_of_means's times 2: no clip then, but that factor is k / k_tail = 4 / 2: a"
-        " division by the 2 micro-batches this short window holds (len(microbatches))"
-    ) in str(report)
+    mean_of_means = bigbatch.form_weights("mean_of_means", items, k=4)
+    assert report_of(mean_of_means, items, k=4).verdict == "mean_of_means"
+    report = report_of(0.5 * mean_of_means, items, k=4)
+    tail = "that factor is k_tail / k = 2 / 4: the short window divided by the nominal k"
+    assert report.verdict == "mean_of_means" and report.clipped_once  # no threshold given
+    assert f"every item weighed 0.5x ({tail}" in str(report)
     # the same factor in a full window is no such division: the general causes only
-    report = report_of(2.0 * bigbatch.form_weights("mean_of_means", ITEMS, k=4), ITEMS, k=4)
-    assert "k / k_tail" not in str(report)
+    report = report_of(0.5 * bigbatch.form_weights("mean_of_means", ITEMS, k=4), ITEMS, k=4)
+    assert "k_tail / k" not in str(report)
 
 
 def test_a_residual_names_other_loss_units_and_the_device_count():

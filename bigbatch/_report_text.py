@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from bigbatch._forms import CLIPPED_PER_MICRO_BATCH, EXACT, FIXES, UNKNOWN, WHAT_IT_DOES
-from bigbatch._report_hints import DIVISOR_OFF, cell_name, other_readings, unknown_because
+from bigbatch._report_hints import (
+    cell_name,
+    divisor_off,
+    other_readings,
+    tail_factor,
+    unknown_because,
+)
 
 if TYPE_CHECKING:
     from bigbatch._report import AuditReport
@@ -43,9 +49,11 @@ def _threshold(report: AuditReport) -> str:
     if report.max_grad_norm is None:
         if not report.clipped_once:  # a clip per micro-batch is a form of its own
             return ""
+        tail = tail_factor(report, report.clip_scale)
+        weighed = f"every item weighed {report.clip_scale:.4g}x" + (f" ({tail})" if tail else "")
         return (
-            f"or every item weighed {report.clip_scale:.4g}x: pass max_grad_norm= your clip"
-            " threshold, or math.inf if your loop does not clip, to tell"
+            f"or {weighed}: pass max_grad_norm= your clip threshold, or math.inf if your loop"
+            " does not clip, to tell"
         )
     if report.clip_kept is None:
         return ""
@@ -79,7 +87,8 @@ def headline(report: AuditReport) -> str:
     if report.verdict == EXACT and report.clipped_once:
         said = _threshold(report)
         if report.clip_kept is False and math.isfinite(report.max_grad_norm):
-            said += f"; or every item weighed {report.clip_scale:.4g}x: {DIVISOR_OFF}"
+            causes = divisor_off(report, report.clip_scale)
+            said += f"; or every item weighed {report.clip_scale:.4g}x: {causes}"
         return (
             f"your loop is the big batch clipped once per window to c ="
             f" {report.clipped_to:#.4g}" + (f" ({said})" if said else "")

@@ -20,7 +20,9 @@ class Tolerance:
     reason: str
 
 
-# A negative control is flagged when its worst deviation/tolerance ratio reaches this.
+# A negative control is flagged when its worst deviation/tolerance ratio reaches this: two
+# orders of magnitude above the largest deviation a correct run may show, so that neither
+# rounding flags a correct run nor a deviation of a tolerance's size reads as a bug found.
 FLAG_RATIO = 100.0
 
 

@@ -14,8 +14,13 @@ rounding noise into a step of up to ``lr``; the elementwise measure then
 reports a few such elements (~1e-3 in fp32) however exact the accumulation is,
 while the L2 measure weighs them by how many they are.
 
-Loss and gradient norm: relative difference per update. Window counts:
-absolute difference (integers, exact in float32 up to 2**24).
+Loss and gradient norm (and the norm after clipping, where both runs record
+it: a clip coefficient off by a factor is a uniform scale, which AdamW's
+parameters barely show): relative difference per update, the worse of the two.
+Counted fields (:data:`COUNTED`: the window's items and their running sum,
+``update_id``, the skips and their reason): the largest absolute difference per
+update over the fields both runs record (integers, exact in float32 up to
+2**24; a parity row needs 0).
 
 Loss-scaling scenarios (fp16 dynamic loss scale, an injected overflow) also
 compare, per update and exactly, the sequences of ``skipped`` (the window was
@@ -137,6 +142,34 @@ def absolute(a: Run, b: Run, key: str) -> list[float]:
     ]
 
 
+# The per-update record fields a parity row needs equal, where both runs record them (not
+# micro_step: the rows compare different layouts of one window, k micro-batches or k R).
+COUNTED = ("window_items", "cumulative_items", "update_id", "skip_count", "skip_reason", "skipped")
+
+
+def _recorded(a: Run, b: Run, keys: tuple[str, ...]) -> list[str]:
+    """The ``keys`` that every record of both runs holds."""
+    return [k for k in keys if all(k in r for r in a.records + b.records)]
+
+
+def _per_update_worst(gaps: list[list[float]]) -> list[float]:
+    """Per update, the largest of several measures' gaps (NaN if any is NaN)."""
+    worst = lambda values: math.nan if any(map(math.isnan, values)) else max(values)
+    return [worst(values) for values in zip(*gaps, strict=True)] if gaps else []
+
+
+def counted(a: Run, b: Run) -> list[float]:
+    """Per update, the largest ``|a - b|`` of the :data:`COUNTED` fields both runs record."""
+    return _per_update_worst([absolute(a, b, key) for key in _recorded(a, b, COUNTED)])
+
+
+def norms(a: Run, b: Run) -> list[float]:
+    """Per update, the relative gap of ``grad_norm`` and of ``grad_norm_clipped`` (where
+    both runs record it), the worse of the two."""
+    keys = ("grad_norm", *_recorded(a, b, ("grad_norm_clipped",)))
+    return _per_update_worst([relative(a, b, key) for key in keys])
+
+
 # The per-update record fields a loss-scaling check compares exactly.
 SCALING_SEQUENCES = ("skipped", "loss_scale", "update_id")
 
@@ -177,8 +210,8 @@ def compare(
         param_dev=param_deviation(subject, reference),
         param_dev_elementwise=param_deviation_elementwise(subject, reference),
         loss_dev=relative(subject, reference, "loss"),
-        grad_norm_dev=relative(subject, reference, "grad_norm"),
-        count_dev=absolute(subject, reference, "window_items") if kind == "parity" else [],
+        grad_norm_dev=norms(subject, reference),
+        count_dev=counted(subject, reference) if kind == "parity" else [],
         comm=comm,
         sequences=sequences(subject, reference) if scaling else None,
         expected_skipped=expected_skipped,

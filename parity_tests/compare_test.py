@@ -38,6 +38,30 @@ def test_parity_check_passes_within_tolerance_and_fails_outside():
     assert not compare.compare("s", miscounted, ref, tol).passed  # counts must match exactly
 
 
+def test_every_counted_field_and_the_clipped_norm_must_agree():
+    # fields AdamW's parameters cannot show: a count, a skip's reason, a clip's scale
+    tol = TOLERANCES["float32"]
+    fields = {"cumulative_items": 20.0, "update_id": 2, "skip_count": 0, "skip_reason": 0,
+              "skipped": False, "grad_norm_clipped": 1.0}  # fmt: skip
+
+    def recorded(label, **changed):
+        run = _run(label, [[0.0], [1.0], [2.0]], [2.0, 1.5])
+        run.records[1].update(fields, **changed)
+        run.records[0].update(fields)
+        return run
+
+    ref = recorded("ref")
+    assert compare.compare("s", recorded("same"), ref, tol).passed
+    for changed in [{"cumulative_items": 21.0}, {"update_id": 1}, {"skip_count": 1},
+                    {"skip_reason": 2}, {"skipped": True}]:  # fmt: skip
+        check = compare.compare("s", recorded("off", **changed), ref, tol)
+        assert check.count_dev[1] >= 1.0 and not check.passed, changed
+    clipped = compare.compare("s", recorded("clip", grad_norm_clipped=0.5), ref, tol)
+    assert clipped.grad_norm_dev == [0.0, 0.5] and not clipped.passed
+    # a field only one run records is not compared (a big batch has no skips)
+    assert compare.compare("s", _run("plain", [[0.0], [1.0], [2.0]], [2.0, 1.5]), ref, tol).passed
+
+
 def test_control_is_flagged_only_at_100x_tolerance():
     tol = TOLERANCES["float32"]
     ref = _run("ref", [[0.0], [1.0], [2.0]], [2.0, 1.5])

@@ -74,6 +74,12 @@ def test_jaxaccum_matches_torch_ref_fp32(result):
     checks = _checks(result, "jaxaccum", "torch_ref", "float32")
     assert {c.scenario.split("-")[1] for c in checks} == {"token", "sample"}
     _assert_within(checks)
+    # and count_dev covers every counted field, grad_norm_dev the clipped norm: both record them
+    for label in ("jaxaccum", "torch_ref"):
+        runs = [run for run in result.runs.values() if run.label == label]
+        assert runs and all(
+            {*compare.COUNTED, "grad_norm_clipped"} <= set(r) for run in runs for r in run.records
+        ), label
 
 
 def test_every_layout_is_the_big_batch_in_each_framework(result):

@@ -127,6 +127,8 @@ def train_update(
     optimizer.zero_grad(set_to_none=True)
     if window_items == 0:
         skipped_record = _skip_empty_window(progress, k, unit, empty_window, optimizer, scaler)
+        for _ in batches:  # a schedule per micro-batch steps on ones without items too
+            variant.after_microbatch(scheduler)
         variant.after_window(scheduler, applied=False)
         return skipped_record
 

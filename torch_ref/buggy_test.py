@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
 
+import bigbatch
 from tinygpt import torch_testing as testing
 from tinygpt.torch_gpt import TinyGPT
 from tinygpt.torch_testing import (
@@ -25,6 +27,40 @@ from tinygpt.torch_testing import (
 )
 from torch_ref import train, train_update
 from torch_ref.buggy import REFERENCE, VARIANTS, Variant, variant
+
+
+def variant_weights(v: Variant, items: np.ndarray, nominal_k: int) -> np.ndarray:
+    """Each cell's weight per item under ``v``'s objective, after DDP's mean over the ``R``
+    ranks, in units of the big batch's ``1/N``: NaN for a cell without items."""
+    num_ranks, k = items.shape
+    window_items = float(items.sum())
+    weights = np.full(items.shape, np.nan)
+    for r, m in itertools.product(range(num_ranks), range(k)):
+        divisors = v.divisors(window_items, float(items[r].sum()), k, nominal_k)
+        scale = v.objective_scale(divisors, int(items[r, m]), num_ranks)
+        weights[r, m] = scale / num_ranks * window_items
+    return np.where(items > 0, weights, np.nan)
+
+
+@pytest.mark.parametrize(
+    "items, nominal_k",
+    [
+        ([[127.0, 5.0], [544.0, 3.0]], 2),  # a full window, 2 ranks
+        ([[10.0, 30.0]], 4),  # a tail of 2 micro-batches of k = 4
+        ([[10.0, 30.0], [7.0, 100.0]], 4),
+        ([[300.0], [40.0]], 2),  # a one-micro-batch tail on 2 ranks
+    ],
+)
+def test_every_variant_weighs_the_cells_as_its_form(items, nominal_k):
+    # the audit names a loop by bigbatch.form_weights: each variant of that name must be it,
+    # short windows included (float64 of small integers: 1e-12 is rounding room only)
+    items = np.array(items)
+    for name in ("exact", *bigbatch.BUG_NAMES):
+        v = REFERENCE if name == "exact" else VARIANTS.get(name)
+        if v is None:  # mean_of_global_means: a global view of a micro-batch, JAX's jit only
+            continue
+        expected = bigbatch.form_weights(name, items, k=nominal_k)
+        np.testing.assert_allclose(variant_weights(v, items, nominal_k), expected, rtol=1e-12)
 
 
 def test_mean_of_means_deviates_on_skewed_lengths_and_logs_the_mean_of_means():
@@ -149,12 +185,12 @@ def test_skip_per_microbatch_applies_the_window_with_the_finite_microbatches_sum
     assert abs(rec_b["loss"] - rec_w["loss"] * 109 / 140) <= 1e-6 * rec_b["loss"]
 
 
-def test_scheduler_per_window_moves_the_lr_on_skipped_windows():
+def test_the_per_window_and_per_micro_batch_schedulers_move_on_skipped_windows():
     # One-sample micro-batches (items 2, 47, 0, 0, 30, 1, 20, 40), k=2: windows 0 and 3 are
     # applied, window 1 is empty, window 2 holds an inf (forward 2: window 1 runs no forward).
     ids, labels = skewed_batch(17)
     recs, lrs = {}, {}
-    for v in (REFERENCE, VARIANTS["scheduler_per_window"]):
+    for v in (REFERENCE, VARIANTS["scheduler_per_window"], VARIANTS["scheduler_per_microbatch"]):
         model = TinyGPT(CONFIG)
         _poison(model, 2)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -168,6 +204,9 @@ def test_scheduler_per_window_moves_the_lr_on_skipped_windows():
     # exact: 1/(t+1) in float64, the same division on both sides
     assert lrs["reference"] == [1.0, 1 / 2, 1 / 2, 1 / 2, 1 / 3]  # windows 0-3, then the next LR
     assert lrs["scheduler_per_window"] == [1.0, 1 / 2, 1 / 3, 1 / 4, 1 / 5]
+    # 2 steps per window, the empty one's too (it records the LR before its steps): 2 + 2 +
+    # 2 + 2 = 8 steps, 1/9 after them
+    assert lrs["scheduler_per_microbatch"] == [1 / 3, 1 / 3, 1 / 7, 1 / 9, 1 / 9]
 
 
 def test_skipping_per_micro_batch_changes_nothing_without_an_inf():
