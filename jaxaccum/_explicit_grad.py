@@ -93,9 +93,9 @@ def _route_errors_explained(axis_name: AxisName) -> Iterator[None]:
             ) from error
         raise
     except Exception as error:
-        if type(error).__name__ == "ShardingTypeError" and "another input is reduced" in str(
-            error
-        ):  # a bias or a norm scale, reduced, added to batch-sharded activations
+        # a bias or a norm scale, reduced, added to batch-sharded activations
+        met_reduced = "another input is reduced" in str(error)
+        if type(error).__name__ == "ShardingTypeError" and met_reduced:
             error.add_note(
                 "jaxaccum.value_and_grad: on a mesh with axes besides the batch's, the"
                 f" parameters are cast to `reduced` over {axis_name!r} (their gradients stay"
