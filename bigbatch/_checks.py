@@ -33,13 +33,7 @@ def check_window(*, k: object, num_devices: object, learning_rate: object, short
     """
     k = _positive_int(k, "k")
     num_devices = _positive_int(num_devices, "num_devices")
-    if (
-        isinstance(learning_rate, bool)
-        or not isinstance(learning_rate, numbers.Real)
-        or not np.isfinite(learning_rate)
-        or learning_rate <= 0
-    ):
-        raise ValueError(f"learning_rate: expected a finite number > 0, got {learning_rate!r}")
+    check_learning_rate(learning_rate)
     if not isinstance(short_window, bool | np.bool_):
         raise ValueError(f"short_window: expected a bool, got {short_window!r}")
     if short_window and k < 2:
@@ -50,6 +44,19 @@ def check_window(*, k: object, num_devices: object, learning_rate: object, short
             " every known bug weighs it like the big batch, so there is nothing to audit;"
             " use k >= 2 or num_devices >= 2"
         )
+
+
+def check_learning_rate(learning_rate: object) -> float:
+    """``learning_rate`` as a float; raises unless it is a finite number > 0 (at 0 no update
+    moves: nothing to audit)."""
+    if (
+        isinstance(learning_rate, bool)
+        or not isinstance(learning_rate, numbers.Real)
+        or not np.isfinite(learning_rate)
+        or learning_rate <= 0
+    ):
+        raise ValueError(f"learning_rate: expected a finite number > 0, got {learning_rate!r}")
+    return float(learning_rate)
 
 
 def check_max_grad_norm(max_grad_norm: object) -> float | None:
@@ -207,21 +214,24 @@ def check_sums(
 
 
 def check_cuts(cuts: Any, rows: int) -> list[tuple[int, int]]:
-    """``cuts`` as ``(k, R)`` pairs of ints >= 1 whose ``k R`` divides the rows (every cut
-    uses every row); raises a ``ValueError`` naming ``cuts`` otherwise.
+    """``cuts`` as ``(k, R)`` pairs of ints >= 1, at least two cells (``k R > 1``: one cell
+    is the one-batch run itself), whose ``k R`` divides the rows (every cut uses every
+    row); raises a ``ValueError`` naming ``cuts`` otherwise.
 
     Example:
       >>> check_cuts([(2, 1), (2, 2)], rows=8)
       [(2, 1), (2, 2)]
     """
     pairs = list(cuts) if isinstance(cuts, Sequence) else []
+    count = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
     ok = bool(pairs) and all(
-        isinstance(c, Sequence) and len(c) == 2 and all(isinstance(x, int) and x >= 1 for x in c)
+        isinstance(c, Sequence) and len(c) == 2 and all(map(count, c)) and c[0] * c[1] > 1
         for c in pairs
     )
     if not ok:
         raise ValueError(
-            f"cuts: expected a non-empty list of (k, R) pairs of ints >= 1, got {cuts!r}"
+            "cuts: expected a non-empty list of (k, R) pairs of ints >= 1 with k R > 1 (a cut"
+            f" of one cell is the one-batch run), got {cuts!r}"
         )
     for k, ranks in pairs:
         if rows % (k * ranks):
@@ -242,7 +252,15 @@ def row_items_of(batch: Any, row_items: Any, rows: int) -> np.ndarray:
     """
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if row_items is None and labels is not None and np.ndim(labels) == 2:
-        row_items = np.sum(np.asarray(labels)[:, 1:] != IGNORE_INDEX, axis=1)
+        targets = np.asarray(labels)[:, 1:]
+        other = np.unique(targets[(targets < 0) & (targets != IGNORE_INDEX)])
+        if other.size:  # padding marked by another ignore index: every position would count
+            raise ValueError(
+                f"row_items: batch['labels'] holds {other[:5].tolist()}, not only {IGNORE_INDEX}"
+                " where a row has no target: its items cannot be counted from it; pass"
+                " row_items= (or loss_fn=, whose num_items counts them)"
+            )
+        row_items = np.sum(targets != IGNORE_INDEX, axis=1)
     items = np.ones(rows) if row_items is None else np.asarray(row_items, np.float64)
     if items.shape != (rows,) or not np.all(np.isfinite(items)) or np.any(items < 0):
         raise ValueError(

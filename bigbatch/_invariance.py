@@ -164,6 +164,12 @@ def invariance_report(
     """
     updates = [[np.ascontiguousarray(x, np.float64) for x in u] for u in (one_batch, *cut_updates)]
     norms = np.array([math.sqrt(dot(u, u)) for u in updates])
+    if not 0 < norms[0] < math.inf:
+        raise ValueError(
+            f"window_fn: the one-batch run's update has norm {norms[0]:g}: nothing to compare"
+            " the cuts with (a loop that does not step, a learning rate or a gradient of 0,"
+            " or NaN/inf in the update)"
+        )
     differences = np.array([_distance(u, updates[0]) / norms[0] for u in updates[1:]])
     report = InvarianceReport(
         cuts=tuple(cuts),
@@ -191,7 +197,9 @@ def invariance_report(
     if np.any(residuals > RESIDUAL_RTOL):
         note = _joined(note, f"a residual above {RESIDUAL_RTOL:.0e}: that update is not a"
                        " reweighting of the rows' gradients (e.g. a term the rows' gradients do"
-                       " not hold); its weights are the closest fit")  # fmt: skip
+                       " not hold, or a loop run in bfloat16 or float16, whose rounding moves"
+                       " every update about that much: run it in float32); its weights are the"
+                       " closest fit")  # fmt: skip
     return dataclasses.replace(report, weights=weights, residuals=residuals, note=note)
 
 

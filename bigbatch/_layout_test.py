@@ -60,3 +60,31 @@ def test_short_window():
 def test_too_few_rows():
     with pytest.raises(ValueError, match="batch: expected at least 8 rows"):
         bigbatch.layout_rows(np.ones(7), k=4, num_devices=2)
+
+
+@pytest.mark.parametrize(
+    "cuts",
+    [[(1, 1)], [(2, 1), (1, 1)], [(True, 2)], [(2, 0)], [], [(2,)]],
+    ids=["one cell", "one cell among others", "a bool", "zero devices", "none", "not a pair"],
+)
+def test_cuts_of_one_cell_bools_or_zeros_are_refused(cuts):
+    # a cut of one cell is the one-batch run compared with itself: it always agrees
+    with pytest.raises(ValueError, match=r"cuts: expected a non-empty list of \(k, R\) pairs"):
+        bigbatch.check_cuts(cuts, rows=16)
+    assert bigbatch.check_cuts([(np.int64(2), 2)], rows=16) == [(2, 2)]  # numpy ints are ints
+
+
+def test_row_items_from_labels_refuse_another_ignore_index():
+    # labels padded with -1: every position would count, every row the same, and a mean of
+    # means would pass the invariance audit on rows whose real items differ
+    labels = np.array([[5, 1, -1, -1], [5, 1, 2, 3]])
+    with pytest.raises(ValueError, match=r"row_items: batch\['labels'\] holds \[-1\].*row_items="):
+        bigbatch.row_items_of({"labels": labels}, None, rows=2)
+    counted = bigbatch.row_items_of({"labels": np.where(labels < 0, -100, labels)}, None, rows=2)
+    np.testing.assert_array_equal(counted, [1.0, 3.0])  # targets after the shift
+
+
+def test_an_invariance_report_of_a_zero_update_is_refused():
+    zero = [np.zeros(2)]
+    with pytest.raises(ValueError, match="one-batch run's update has norm 0: nothing to compare"):
+        bigbatch.invariance_report(["k=2 x R=1"], zero, [zero], row_items=np.ones(2))

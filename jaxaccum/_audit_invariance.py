@@ -44,7 +44,9 @@ def audit_invariance(
 
     The one-batch run (``k = 1``, one device) is the reference, whatever your
     objective is: a loop is invariant when every cut gives its update
-    (``bigbatch.INVARIANCE_RTOL``). Each cut lays the rows out as
+    (``bigbatch.INVARIANCE_RTOL``). Invariant is not the big batch: a factor that is
+    the same on every cut (a loop that never divides, a count kept from an earlier
+    window) passes here, and :func:`audit_window` judges it. Each cut lays the rows out as
     :func:`audit_window` does (``bigbatch.layout_rows``).
 
     Args:
@@ -61,8 +63,12 @@ def audit_invariance(
       loss_fn: optional ``loss_fn(params, batch) -> (loss_sum, num_items)``, a sum
         over rows: the rows' items, and their gradients for the weights.
       row_items: the items of each row, when there is no ``loss_fn`` (default:
-        ``batch["labels"][:, 1:] != -100`` per row, else one per row).
-      learning_rate: the SGD learning rate handed to your code.
+        ``batch["labels"][:, 1:] != -100`` per row, else one per row; labels with
+        another negative value are refused).
+      learning_rate: the SGD learning rate handed to your code (finite, > 0);
+        each cut runs twice, at ``bigbatch.LR_SCALE`` x it first, and a loop
+        whose update is not proportional to it (a step per micro-batch) is
+        refused.
       max_grad_norm: the threshold your loop clips the window's gradient norm
         to, if it clips: the report says whether the one-batch run clipped (its
         reference is then the whole batch's gradient clipped to it; a loop that
@@ -97,9 +103,11 @@ def audit_invariance(
     """
     _check_params(params)
     bigbatch.check_max_grad_norm(max_grad_norm)
+    bigbatch.check_learning_rate(learning_rate)
     batch = jax.tree.map(lambda x: x if hasattr(x, "shape") else np.asarray(x), batch)
     rows = _num_rows(batch)
     if loss_fn is not None:
+        _refuse_both(row_items)
         row_items = np.asarray(_row_values(loss_fn, params, batch)[1])
     items = bigbatch.row_items_of(batch, row_items, rows)
     layouts = [
@@ -110,9 +118,9 @@ def audit_invariance(
 
     def run(layout):  # the loop on the cut's rows (and told its device count, if it must be)
         kwargs = {"num_devices": layout.num_devices} if devices else {}
-        # once per cut: a loop that steps per micro-batch or carries something over moves
-        # with the cut, which the cuts show (audit_window runs its loop twice to see them)
-        return _update_on(window_fn, params, batch, layout, learning_rate, repeat=False, **kwargs)
+        # twice per cut, at LR_SCALE x the rate first: a loop that steps per micro-batch moves
+        # with the cut by about lr x curvature, which a small rate hides below the tolerance
+        return _update_on(window_fn, params, batch, layout, learning_rate, False, **kwargs)
 
     one_batch = run(bigbatch.layout_rows(items, k=1, num_devices=1))
     updates = [run(layout) for layout in layouts]
@@ -132,6 +140,14 @@ def audit_invariance(
         learning_rate=float(learning_rate),
         max_grad_norm=max_grad_norm,
     )
+
+
+def _refuse_both(row_items: Any) -> None:
+    """``loss_fn`` counts the rows' items: ``row_items`` too would be one count too many."""
+    if row_items is not None:
+        raise ValueError(
+            "row_items: pass it or loss_fn, not both: loss_fn's num_items are the rows' items"
+        )
 
 
 def _takes_devices(window_fn: WindowFn, layouts: list[bigbatch.CellLayout]) -> bool:

@@ -4,7 +4,8 @@
 window of other items (discarded), then at ``bigbatch.LR_SCALE`` x its learning rate,
 and refuses a loop whose update there is not that many times the audited one
 (`bigbatch.check_proportional`: it carries something over, or steps per micro-batch);
-``audit_invariance`` runs each cut once. The first call gets a copy of ``params``; a loop
+``audit_invariance`` runs each cut the same way, without the warm-up (as torch's
+`torch_ref._audit_invariance`). The first call gets a copy of ``params``; a loop
 that did not donate that copy's buffers gets ``params`` themselves after it (one copy of
 the parameters less at the peak), which must come back untouched. As torch's
 `torch_ref._audit_loop`.
@@ -23,14 +24,14 @@ import bigbatch
 
 
 def _update(
-    window_fn, params, batch, layout, learning_rate, repeat=True, **window_kwargs
+    window_fn, params, batch, layout, learning_rate, warm_up=True, **window_kwargs
 ) -> list[np.ndarray]:
     """Your loop's parameter change ``new - old``, per leaf (`bigbatch.parameter_change`).
 
-    With ``repeat`` the loop runs twice from ``params``, the first time at
-    ``bigbatch.LR_SCALE`` x the learning rate: a loop whose update there is not that many
-    times the second's carries something over, or steps per micro-batch
-    (`bigbatch.check_proportional`). Before both, it runs once on a window of other items
+    The loop runs twice from ``params``, the first time at ``bigbatch.LR_SCALE`` x the
+    learning rate: a loop whose update there is not that many times the second's carries
+    something over, or steps per micro-batch (`bigbatch.check_proportional`). With
+    ``warm_up``, before both, it runs once on a window of other items
     (`bigbatch.warm_up_micro_batch`), discarded: a count kept from it shows in the fit.
     """
     microbatches = [
@@ -49,11 +50,10 @@ def _update(
         _check_untouched(params, reference)
         return jax.tree.leaves(_check_new_params(new_params, params))
 
-    if not repeat:
-        return bigbatch.parameter_change(run(learning_rate), reference)
-    busiest, k = bigbatch.warm_up_micro_batch(layout.items), len(microbatches)
-    with bigbatch.warm_up_note(busiest, k):
-        run(learning_rate, [microbatches[busiest]] * k)  # the warm-up: its update discarded
+    if warm_up:
+        busiest, k = bigbatch.warm_up_micro_batch(layout.items), len(microbatches)
+        with bigbatch.warm_up_note(busiest, k):
+            run(learning_rate, [microbatches[busiest]] * k)  # its update discarded
     scaled = bigbatch.sampled_change(run(learning_rate * bigbatch.LR_SCALE), reference)
     change = bigbatch.parameter_change(run(learning_rate), reference)
     eps = [float(jnp.finfo(x.dtype).eps) for x in reference]

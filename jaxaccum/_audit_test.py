@@ -415,6 +415,33 @@ def test_stepping_per_micro_batch_at_a_small_learning_rate_no_longer_passes():
         )  # fmt: skip
 
 
+def test_the_invariance_audit_refuses_stepping_per_micro_batch_at_a_small_learning_rate():
+    # the cuts differ by ~lr x curvature: at lr 1e-5 from zero parameters, 9e-7 of the update,
+    # within INVARIANCE_RTOL, and the audit used to say INVARIANT (the red team's); each cut
+    # now runs at LR_SCALE x the rate first, as audit_window's loop does
+    rng = np.random.default_rng(0)
+    tokens = np.array([0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12])
+    batch = {
+        "x": rng.normal(size=(16, 12, 16)).astype(np.float32),
+        "y": rng.normal(size=(16, 12)).astype(np.float32),
+        "mask": (np.arange(12) < tokens[:, None]).astype(np.float32),
+    }
+    params = {"w": jnp.zeros(16), "b": jnp.zeros(())}
+    invariance = lambda window_fn, **kw: jaxaccum.audit.audit_invariance(
+        window_fn, params, batch, cuts=[(4, 1)], progress=False, **kw
+    )
+    with pytest.raises(ValueError, match="steps more than once per window"):
+        invariance(step_per_microbatch(linear_loss), loss_fn=linear_loss, learning_rate=1e-5)
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="learning_rate: expected a finite number > 0"):
+            invariance(step_per_microbatch(linear_loss), learning_rate=bad)
+    with pytest.raises(ValueError, match="row_items: pass it or loss_fn, not both"):
+        invariance(step_per_microbatch(linear_loss), loss_fn=linear_loss, row_items=tokens)
+    # a loop that does not step: a one-batch update of norm 0, nothing to compare with
+    with pytest.raises(ValueError, match="one-batch run's update has norm 0"):
+        invariance(lambda p, microbatches, optimizer: p, row_items=tokens)
+
+
 # ---- arguments ----------------------------------------------------------------------------------
 
 

@@ -386,7 +386,8 @@ def test_every_loss_type_is_invariant_under_multi_steps(loss_type):
     report = jaxaccum.audit.audit_invariance(
         jaxaccum_loop(loss_fn, seen), POLICY, batch, cuts=CUTS, row_items=TOKENS, progress=False
     )
-    assert seen == [(1, 1), *CUTS]  # the one-batch run, then each cut on its R devices
+    # the one-batch run, then each cut on its R devices: each twice (LR_SCALE x the rate first)
+    assert seen == [cut for cut in [(1, 1), *CUTS] for _ in range(2)]
     # every cut gives the one-batch update to float32 rounding (bigbatch.INVARIANCE_RTOL, 1e-5)
     assert report.invariant, report
     assert report.tolerance == bigbatch.INVARIANCE_RTOL == 1e-5

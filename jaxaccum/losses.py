@@ -20,7 +20,9 @@ def _token_losses(
 
     Position ``t`` of ``logits`` predicts ``labels[t + 1]``; labels equal to
     ``ignore_index`` (prompt, padding) are masked. Computed in float32 (float64
-    when the logits are float64).
+    when the logits are float64). A label outside ``[0, vocab)`` that is not
+    ``ignore_index`` is refused when the labels are concrete, and makes the loss
+    and its gradient NaN under a trace (an index would wrap: -1 is class V - 1).
     """
     if logits.ndim != labels.ndim + 1 or logits.shape[:-1] != labels.shape:
         raise ValueError(
@@ -33,10 +35,26 @@ def _token_losses(
     shift_logits = logits[..., :-1, :].astype(compute_dtype)
     shift_labels = labels[..., 1:]
     valid = shift_labels != ignore_index
-    safe_labels = jnp.where(valid, shift_labels, 0)
+    outside = valid & ((shift_labels < 0) | (shift_labels >= logits.shape[-1]))
+    _refuse_labels_outside(shift_labels, outside, ignore_index, logits.shape[-1])
+    safe_labels = jnp.where(valid & ~outside, shift_labels, 0)
     log_probs = jax.nn.log_softmax(shift_logits, axis=-1)
     picked = jnp.take_along_axis(log_probs, safe_labels[..., None], axis=-1)[..., 0]
-    return jnp.where(valid, -picked, 0.0), valid
+    poison = jnp.where(outside, jnp.nan, 1.0).astype(compute_dtype)  # NaN loss and gradient
+    return jnp.where(valid, -picked, 0.0) * poison, valid
+
+
+def _refuse_labels_outside(
+    labels: jax.Array, outside: jax.Array, ignore_index: int, vocab: int
+) -> None:
+    """A ValueError for concrete labels outside ``[0, vocab)`` other than ``ignore_index``."""
+    if isinstance(outside, jax.core.Tracer) or not bool(jnp.any(outside)):
+        return
+    found = sorted({int(x) for x in jax.device_get(labels[outside])})[:5]
+    raise ValueError(
+        f"losses: `labels` must lie in [0, {vocab}) or equal ignore_index={ignore_index};"
+        f" got {found} (padding marked otherwise? pass ignore_index= its value)."
+    )
 
 
 def causal_lm(
@@ -52,6 +70,9 @@ def causal_lm(
     Args:
       logits: ``[..., T, vocab]``.
       labels: ``[..., T]`` int, aligned with the inputs; ``ignore_index`` masks.
+        Any other label must lie in ``[0, vocab)``: one outside is refused when
+        the labels are concrete, and makes the loss and its gradient NaN under
+        ``jit`` (``multi_steps`` then skips the window; PyTorch raises).
       ignore_index: the label value that carries no loss.
 
     Returns:
@@ -78,8 +99,8 @@ def causal_lm_per_sample(
     are not counted. This is the unit of GRPO-style per-sequence losses.
 
     Returns:
-      ``(loss_sum, num_items)``: float32 scalars; ``num_items`` is the number of
-      samples with at least one valid token.
+      ``(loss_sum, num_items)``: float32 scalars (float64 for float64 logits);
+      ``num_items`` is the number of samples with at least one valid token.
     """
     token_loss, valid = _token_losses(logits, labels, ignore_index)
     tokens = jnp.sum(valid, axis=-1).astype(token_loss.dtype)
@@ -97,20 +118,35 @@ def per_sample(
     """A sample-level loss (classification, ranking, preference): ``(sum, samples)``.
 
     Args:
-      sample_losses: ``[B]`` one loss per sample.
-      mask: optional ``[B]`` bool, False for padding samples.
+      sample_losses: ``[B]`` one loss per sample (squeeze a ``[B, 1]`` model
+        output first: it is refused, not broadcast).
+      mask: optional ``[B]`` bool (or 0/1 ints), False for padding samples.
 
     Returns:
-      ``(loss_sum, num_items)``: float32 scalars.
+      ``(loss_sum, num_items)``: float32 scalars (float64 for float64 losses).
+
+    Raises:
+      ValueError: ``sample_losses`` not one-dimensional; a ``mask`` of another
+        shape, or of a float dtype (weights are not a mask).
     """
-    sample_losses = sample_losses.astype(jnp.float32)
+    sample_losses = jnp.asarray(sample_losses)
+    if sample_losses.ndim != 1:
+        raise ValueError(
+            "per_sample: `sample_losses` must be [B], one loss per sample; got shape"
+            f" {sample_losses.shape} (squeeze a [B, 1] output)."
+        )
+    dtype = jnp.float64 if sample_losses.dtype == jnp.float64 else jnp.float32
+    sample_losses = sample_losses.astype(dtype)
     if mask is None:
-        return jnp.sum(sample_losses), jnp.asarray(sample_losses.size, jnp.float32)
+        return jnp.sum(sample_losses), jnp.asarray(sample_losses.size, dtype)
+    mask = jnp.asarray(mask)
+    if mask.shape != sample_losses.shape or jnp.issubdtype(mask.dtype, jnp.floating):
+        raise ValueError(
+            f"per_sample: `mask` must be [B] = {sample_losses.shape}, bool or 0/1 ints; got"
+            f" {mask.dtype}{list(mask.shape)}."
+        )
     mask = mask.astype(jnp.bool_)
-    return (
-        jnp.sum(jnp.where(mask, sample_losses, 0.0)),
-        jnp.sum(mask).astype(jnp.float32),
-    )
+    return jnp.sum(jnp.where(mask, sample_losses, 0.0)), jnp.sum(mask).astype(dtype)
 
 
 # RL policy-gradient losses (TRL's eight loss types): the per-token loss, and its

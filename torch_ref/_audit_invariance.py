@@ -47,7 +47,9 @@ def audit_invariance(
 
     The one-batch run (``k = 1``, ``R = 1``) is the reference, whatever your
     objective is: a loop is invariant when every cut gives its update
-    (``bigbatch.INVARIANCE_RTOL``). Each cut lays the rows out as the audit does
+    (``bigbatch.INVARIANCE_RTOL``). Invariant is not the big batch: a factor that is
+    the same on every cut (a loop that never divides, a count kept from an earlier
+    window) passes here, and `audit_window` judges it. Each cut lays the rows out as the audit does
     (``bigbatch.layout_rows``: the micro-batches differ in items, and with
     enough rows without items the last rank gets none).
 
@@ -62,8 +64,12 @@ def audit_invariance(
       loss_fn: optional ``loss_fn(model, batch) -> (loss_sum, num_items)``, a
         sum over rows: the rows' items, and their gradients for the weights.
       row_items: the items of each row, when there is no ``loss_fn`` (default:
-        ``batch["labels"][:, 1:] != -100`` per row, else one per row).
-      learning_rate: the SGD learning rate handed to your code.
+        ``batch["labels"][:, 1:] != -100`` per row, else one per row; labels with
+        another negative value are refused).
+      learning_rate: the SGD learning rate handed to your code (finite, > 0);
+        each cut runs twice, at ``bigbatch.LR_SCALE`` x it first, and a loop
+        whose update is not proportional to it (a step per micro-batch) is
+        refused.
       max_grad_norm: the threshold your loop clips the window's gradient norm
         to, if it clips: the report says whether the one-batch run clipped (the
         reference is then the whole batch's gradient clipped to it; a loop that
@@ -84,6 +90,7 @@ def audit_invariance(
     """
     _check_callable(window_fn, "window_fn")
     bigbatch.check_max_grad_norm(max_grad_norm)
+    bigbatch.check_learning_rate(learning_rate)
     params = _check_model(model)
     batch = _check_batch(batch)
     items = _items(loss_fn, model, batch, row_items)
@@ -118,6 +125,10 @@ def _items(loss_fn, model, batch: Batch, row_items) -> np.ndarray:
     rows = next(iter(batch.values())).shape[0]
     if loss_fn is not None:
         _check_callable(loss_fn, "loss_fn")
+        if row_items is not None:
+            raise ValueError(
+                "row_items: pass it or loss_fn, not both: loss_fn's num_items are the rows' items"
+            )
         with torch.no_grad():
             row_items = [_loss_values(loss_fn, model, _rows(batch, [i]))[1] for i in range(rows)]
     labels = {"labels": batch["labels"].cpu().numpy()} if "labels" in batch else {}
