@@ -397,17 +397,23 @@ def linear_loss(params, batch):
     return jnp.sum(err * batch["mask"]), jnp.sum(batch["mask"])
 
 
+LINEAR_TOKENS = np.array([0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12])
+
+
+def linear_batch() -> dict[str, np.ndarray]:
+    """16 rows of 12 positions, ``LINEAR_TOKENS`` of them valid: ``linear_loss``'s rows."""
+    rng = np.random.default_rng(0)
+    return {
+        "x": rng.normal(size=(16, 12, 16)).astype(np.float32),
+        "y": rng.normal(size=(16, 12)).astype(np.float32),
+        "mask": (np.arange(12) < LINEAR_TOKENS[:, None]).astype(np.float32),
+    }
+
+
 def test_stepping_per_micro_batch_at_a_small_learning_rate_no_longer_passes():
     # zero parameters (nothing to round) and lr 1e-4: the steps compound by ~1e-4 of the
     # update, within the fit's 1e-3, and the audit used to say PASSED, exact (the red team's)
-    rng = np.random.default_rng(0)
-    tokens = np.array([0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12])
-    batch = {
-        "x": rng.normal(size=(16, 12, 16)).astype(np.float32),
-        "y": rng.normal(size=(16, 12)).astype(np.float32),
-        "mask": (np.arange(12) < tokens[:, None]).astype(np.float32),
-    }
-    params = {"w": jnp.zeros(16), "b": jnp.zeros(())}
+    batch, params = linear_batch(), {"w": jnp.zeros(16), "b": jnp.zeros(())}
     with pytest.raises(ValueError, match="steps more than once per window"):
         jaxaccum.audit.audit_window(
             step_per_microbatch(linear_loss), linear_loss, params, batch, k=4,
@@ -419,14 +425,7 @@ def test_the_invariance_audit_refuses_stepping_per_micro_batch_at_a_small_learni
     # the cuts differ by ~lr x curvature: at lr 1e-5 from zero parameters, 9e-7 of the update,
     # within INVARIANCE_RTOL, and the audit used to say INVARIANT (the red team's); each cut
     # now runs at LR_SCALE x the rate first, as audit_window's loop does
-    rng = np.random.default_rng(0)
-    tokens = np.array([0, 1, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 12])
-    batch = {
-        "x": rng.normal(size=(16, 12, 16)).astype(np.float32),
-        "y": rng.normal(size=(16, 12)).astype(np.float32),
-        "mask": (np.arange(12) < tokens[:, None]).astype(np.float32),
-    }
-    params = {"w": jnp.zeros(16), "b": jnp.zeros(())}
+    batch, params, tokens = linear_batch(), {"w": jnp.zeros(16), "b": jnp.zeros(())}, LINEAR_TOKENS
     invariance = lambda window_fn, **kw: jaxaccum.audit.audit_invariance(
         window_fn, params, batch, cuts=[(4, 1)], progress=False, **kw
     )

@@ -64,12 +64,11 @@ def audit_invariance(
       loss_fn: optional ``loss_fn(model, batch) -> (loss_sum, num_items)``, a
         sum over rows: the rows' items, and their gradients for the weights.
       row_items: the items of each row, when there is no ``loss_fn`` (default:
-        ``batch["labels"][:, 1:] != -100`` per row, else one per row; labels with
-        another negative value are refused).
-      learning_rate: the SGD learning rate handed to your code (finite, > 0);
-        each cut runs twice, at ``bigbatch.LR_SCALE`` x it first, and a loop
-        whose update is not proportional to it (a step per micro-batch) is
-        refused.
+        counted from ``batch["labels"]`` by `bigbatch.row_items_of`, else one
+        per row).
+      learning_rate: the SGD learning rate handed to your code, finite and > 0
+        (every cut's loop is first run at ``bigbatch.LR_SCALE`` times it, as
+        `audit_window` runs its loop).
       max_grad_norm: the threshold your loop clips the window's gradient norm
         to, if it clips: the report says whether the one-batch run clipped (the
         reference is then the whole batch's gradient clipped to it; a loop that
