@@ -149,7 +149,7 @@ def grpo_example(rows: dict):
 def test_the_grpo_fix_hands_the_optimizer_tunix_s_loss_as_its_sum_and_items(mode):
     # ExactRLCluster puts ExactGRPOTrainer in place; its loss is Tunix's policy loss times the
     # items Tunix divided it by (tokens for token-mean, non-empty completions otherwise), and
-    # its eval step logs Tunix's loss and aux
+    # its eval step gives Tunix's loss and aux, with the sum and items the eval log adds up
     import optax
     from tunix.rl import function_registry
 
@@ -167,13 +167,35 @@ def test_the_grpo_fix_hands_the_optimizer_tunix_s_loss_as_its_sum_and_items(mode
             model, example, algo_config=run.algo_config, pad_id=grpo.PAD_ID, eos_id=grpo.EOS_ID
         )
         loss_sum, (num_items, _) = trainer.loss_fn(model, example, run.algo_config)
-        eval_loss, eval_aux = trainer._eval_step(model, example)
+        eval_loss, (eval_aux, eval_sum, eval_items) = trainer._eval_step(model, example)
     tokens = (rows["completion_ids"] != grpo.PAD_ID).sum(-1).ravel()
     expected_items = tokens.sum() if mode == "token-mean" else (tokens > 0).sum()
     assert float(num_items) == expected_items
     assert math.isclose(float(loss_sum) / float(num_items), float(loss), rel_tol=LOSS_RTOL)
     assert math.isclose(float(eval_loss), float(loss), rel_tol=LOSS_RTOL)
+    assert (float(eval_sum), float(eval_items)) == (float(loss_sum), float(num_items))
     assert float(eval_aux["pg_clipfrac"]) == float(aux["pg_clipfrac"])
+
+
+def test_the_grpo_fix_refuses_sequence_packing():
+    # a packed row holds several completions: the sequence modes would count it as one
+    import functools
+    from unittest import mock
+
+    import optax
+    from tunix.rl import rl_cluster
+
+    from jax_trainers import tunix_grpo as grpo
+    from jax_trainers import tunix_sft
+    from testkit import standard_numerics
+
+    mesh, model = tunix_sft.on_mesh(tunix_sft.model_parts()[1], 1)
+    packed = functools.partial(rl_cluster.RLTrainingConfig, max_seq_token_per_tpu=64)
+    with standard_numerics(), tunix_sft.mesh_warning_ignored(), mesh:
+        with mock.patch.object(rl_cluster, "RLTrainingConfig", packed):
+            with pytest.raises(ValueError, match="`max_seq_token_per_tpu` must be None"):
+                grpo.learner(model, optax.sgd(1.0), grpo.groups(empty=True), mesh,
+                             mode="token-mean", prompts=8, k=2, fixed=True)  # fmt: skip
 
 
 def sft_trainer(k: int, *, micro_batches: int, max_steps: int, **config):
@@ -189,8 +211,8 @@ def sft_trainer(k: int, *, micro_batches: int, max_steps: int, **config):
     batch = rows.skewed_rows()
     mesh, model = tunix_sft.on_mesh(tunix_sft.model_parts()[1], 1)
     config = peft_trainer.TrainingConfig(
-        eval_every_n_steps=1_000, max_steps=max_steps, pbar_description=None,
-        gradient_accumulation_steps=k, **config,
+        max_steps=max_steps, pbar_description=None, gradient_accumulation_steps=k,
+        **{"eval_every_n_steps": 1_000, **config},
     )  # fmt: skip
     trainer = tunix_fix.ExactPeftTrainer(model, optax.sgd(1.0), config)
     trainer = trainer.with_gen_model_input_fn(tunix_sft.gen_model_input_fn)
@@ -238,6 +260,41 @@ def test_the_sft_fix_logs_each_window_s_loss_and_gradient_norm():
 GRAD_NORM_RTOL = 1e-5
 """A gradient norm of 4 micro-batches' sums against the big batch's: float32 sums of the same
 per-token gradients in another order (measured 1e-7)."""
+
+
+def test_the_sft_fix_logs_the_eval_set_s_token_mean_and_names_a_mean_loss():
+    # Tunix averages the eval batches' means (a mean of means); the fix logs the eval set's
+    # sums over its items: eval batches of 4 skewed rows each against the big batch at init
+    import numpy as np
+
+    from jax_trainers import rows, tunix_sft
+    from testkit import standard_numerics
+
+    trainer, mesh, examples = sft_trainer(1, micro_batches=4, max_steps=1, eval_every_n_steps=1)
+    params, batch = tunix_sft.model_parts()[1], rows.skewed_rows()
+    with standard_numerics(), tunix_sft.mesh_warning_ignored(), mesh:
+        loss_sum, items = tunix_sft.reference_loss(params, batch)
+        sums = [tunix_sft.reference_loss(params, {n: v[i::4] for n, v in batch.items()})
+                for i in range(4)]  # fmt: skip
+        trainer.train(examples[:1], eval_ds=examples)  # the eval runs before the first step
+    logged = trainer.metrics_logger.get_metric_history(trainer.metrics_prefix, "loss", "eval")
+    mean_of_means = np.mean([float(s) / float(n) for s, n in sums])
+    # at init every token's loss is near log(vocab): the two differ by 9e-5, 90x LOSS_RTOL
+    assert abs(mean_of_means / float(loss_sum / items) - 1) > 10 * LOSS_RTOL
+    assert math.isclose(float(logged[0]), float(loss_sum / items), rel_tol=LOSS_RTOL)
+
+    # Tunix's default loss is a mean without its items: named, with the fix
+    def mean_loss(model, input_tokens, input_mask, positions, attention_mask):
+        loss_sum, num_items = tunix_sft.summed_loss(
+            model, input_tokens, input_mask, positions, attention_mask
+        )
+        return loss_sum / num_items
+
+    trainer, mesh, examples = sft_trainer(2, micro_batches=2, max_steps=1)
+    trainer = trainer.with_loss_fn(mean_loss)
+    with standard_numerics(), tunix_sft.mesh_warning_ignored(), mesh:
+        with pytest.raises(TypeError, match=r"ExactPeftTrainer: the loss must return \(loss_sum"):
+            trainer.train(examples)
 
 
 def test_the_sft_fix_profiles_micro_batches_as_tunix_does():

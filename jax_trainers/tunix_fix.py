@@ -13,6 +13,7 @@ is a subclass of its steps: :class:`ExactPeftTrainer`.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from typing import Any
 
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from tunix.sft import metrics_logger as sft_metrics_logger
 from tunix.sft import peft_trainer, profiler
 
 import jaxaccum
@@ -46,8 +48,10 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
     the mean over the micro-batches of each one's. A window still open when the data ends
     is not applied (as in Tunix): ``train`` warns (RL's learner calls it again). The
     checkpoint ``close()`` then saves holds that window's sums: a trainer restoring it goes on
-    inside the window, with the micro-batch after the last it holds.
-    The eval loss is each batch's mean, ``loss_sum / num_items``.
+    inside the window, with the micro-batch after the last it holds. A window whose gradient
+    or loss is not finite is skipped (``multi_steps``' default): no parameter moves, and
+    Tunix's step count still advances. The eval loss the loop logs is the eval set's token
+    mean (its sums over its items; Tunix averages the batches' means).
     """
 
     def __init__(self, model, optimizer, training_config, **kwargs):
@@ -57,6 +61,7 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
         without_multisteps.gradient_accumulation_steps = None
         without_multisteps.profiler_options = None  # counted in micro-batches: built below
         super().__init__(model, jaxaccum.multi_steps(optimizer, k), without_multisteps, **kwargs)
+        self._eval_sums: list = []  # the eval batches' (loss_sum, num_items) of one eval
         self.config = training_config  # the loop closes an update every k micro-batches
         # as PeftTrainer counts them after a restore, and the open window's: the loop skips
         # (Tunix: feeds again) the micro-batches whose sums a restored state holds
@@ -76,7 +81,10 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
         """
         inputs = self.gen_model_input_fn(inputs)
         wrt = nnx.DiffState(0, nnx.LoRAParam) if self._lora_enabled else 0
-        grad_fn = nnx.value_and_grad(self.loss_fn, argnums=wrt, has_aux=True)
+        summed_loss = functools.wraps(self.loss_fn)(
+            lambda *a, **kw: _summed(self.loss_fn(*a, **kw))
+        )
+        grad_fn = nnx.value_and_grad(summed_loss, argnums=wrt, has_aux=True)
         (loss_sum, items_and_aux), grads = grad_fn(model, **inputs)
         num_items, aux = _items_and_aux(items_and_aux)
         optimizer.update(model, grads, num_items=num_items, loss_sum=loss_sum)
@@ -122,10 +130,40 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
         return self._iter_steps % self._window_size()
 
     def _eval_step(self, model: nnx.Module, inputs: Any):
-        """One eval batch: its mean loss, and the loss's aux."""
-        loss_sum, items_and_aux = self.eval_loss_fn(model, **self.gen_model_input_fn(inputs))
+        """One eval batch: its mean loss, and the loss's aux with the batch's sum and items."""
+        loss_sum, items_and_aux = _summed(
+            self.eval_loss_fn(model, **self.gen_model_input_fn(inputs))
+        )
         num_items, aux = _items_and_aux(items_and_aux)
-        return loss_sum / jnp.maximum(num_items, 1), aux
+        return loss_sum / jnp.maximum(num_items, 1), (aux, loss_sum, num_items)
+
+    def _post_process_eval_step(self, aux) -> None:
+        """Keeps the batch's sum and items for the eval set's token mean; the loss's own aux
+        goes on to ``PeftTrainer``'s."""
+        aux, loss_sum, num_items = aux
+        self._eval_sums.append((loss_sum, num_items))
+        super()._post_process_eval_step(aux)
+
+    def _write_metrics(self, metrics_buffer):
+        """An eval's buffer logs the eval set's sum over its items (Tunix: the batches' mean
+        of means)."""
+        if self._mode == sft_metrics_logger.Mode.EVAL and self._eval_sums:
+            sums, items = (np.sum(jax.device_get(x)) for x in zip(*self._eval_sums, strict=True))
+            metrics_buffer.losses[:] = [jnp.asarray(sums / max(items, 1), jnp.float32)]
+            self._eval_sums = []
+        super()._write_metrics(metrics_buffer)
+
+
+def _summed(out) -> tuple[Any, Any]:
+    """The loss's ``(loss_sum, num_items)`` or ``(loss_sum, (num_items, aux))``, or a clear
+    error for Tunix's default loss (a mean, without its items)."""
+    if not isinstance(out, tuple) or len(out) != 2:
+        raise TypeError(
+            "ExactPeftTrainer: the loss must return (loss_sum, num_items) or (loss_sum,"
+            " (num_items, aux)), a sum and the items it adds up: pass one with"
+            f" with_loss_fn(loss_fn) (e.g. jaxaccum.losses.causal_lm); got {type(out).__name__}"
+        )
+    return out
 
 
 def _items_and_aux(items_and_aux) -> tuple[Any, Any]:

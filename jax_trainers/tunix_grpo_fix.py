@@ -89,13 +89,20 @@ class ExactRLCluster(rl_cluster.RLCluster):
     (``rl_cluster.py:572``) bound to `ExactGRPOTrainer` for that call. Building the shipped
     trainer first and replacing it would build its optimizer state too, and restore a resumed
     checkpoint into it. GRPO has no critic; a cluster with one is refused (its trainer's loss
-    is not a policy loss).
+    is not a policy loss), and so is sequence packing (``max_seq_token_per_tpu``: a packed
+    row holds several completions, which the sequence modes would count as one).
     """
 
     def _init_cluster(self):
         if self.critic is not None:
             raise ValueError(
                 "ExactRLCluster: `critic` must be None (the actor's policy loss alone is summed)"
+            )
+        if self.cluster_config.training_config.max_seq_token_per_tpu is not None:
+            raise ValueError(
+                "ExactRLCluster: `max_seq_token_per_tpu` must be None: sequence packing puts"
+                " several completions in one row, which loss_items would count as one"
+                " completion, and packed micro-batches no longer make k per mini-batch"
             )
         with mock.patch.object(rl_trainer, "Trainer", ExactGRPOTrainer):
             super()._init_cluster()
