@@ -27,6 +27,7 @@ from bigbatch._checks import (
     check_precision,
     check_sums,
     check_window,
+    refuse_row_items_with_loss_fn,
     row_items_of,
 )
 from bigbatch._fit import audit_update
@@ -134,6 +135,7 @@ __all__ = [
     "invariance_report",
     "layout_rows",
     "parameter_change",
+    "refuse_row_items_with_loss_fn",
     "row_items_of",
     "stream_products",
     "tail_microbatches",

@@ -213,6 +213,15 @@ def check_sums(
             )
 
 
+def refuse_row_items_with_loss_fn(row_items: object) -> None:
+    """An invariance audit counts the rows' items by ``loss_fn`` or takes ``row_items``: both
+    would be two counts."""
+    if row_items is not None:
+        raise ValueError(
+            "row_items: pass it or loss_fn, not both: loss_fn's num_items are the rows' items"
+        )
+
+
 def check_cuts(cuts: Any, rows: int) -> list[tuple[int, int]]:
     """``cuts`` as ``(k, R)`` pairs of ints >= 1, at least two cells (``k R > 1``: one cell
     is the one-batch run itself), whose ``k R`` divides the rows (every cut uses every
@@ -223,9 +232,9 @@ def check_cuts(cuts: Any, rows: int) -> list[tuple[int, int]]:
       [(2, 1), (2, 2)]
     """
     pairs = list(cuts) if isinstance(cuts, Sequence) else []
-    count = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
+    is_count = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
     ok = bool(pairs) and all(
-        isinstance(c, Sequence) and len(c) == 2 and all(map(count, c)) and c[0] * c[1] > 1
+        isinstance(c, Sequence) and len(c) == 2 and all(map(is_count, c)) and c[0] * c[1] > 1
         for c in pairs
     )
     if not ok:
@@ -256,8 +265,8 @@ def row_items_of(batch: Any, row_items: Any, rows: int) -> np.ndarray:
         other = np.unique(targets[(targets < 0) & (targets != IGNORE_INDEX)])
         if other.size:  # padding marked by another ignore index: every position would count
             raise ValueError(
-                f"row_items: batch['labels'] holds {other[:5].tolist()}, not only {IGNORE_INDEX}"
-                " where a row has no target: its items cannot be counted from it; pass"
+                f"batch: its 'labels' hold {other[:5].tolist()}, not only {IGNORE_INDEX} where a"
+                " row has no target: the rows' items cannot be counted from them; pass"
                 " row_items= (or loss_fn=, whose num_items counts them)"
             )
         row_items = np.sum(targets != IGNORE_INDEX, axis=1)

@@ -161,14 +161,17 @@ def invariance_report(
 
     Returns:
       An :class:`InvarianceReport`.
+
+    Raises:
+      ValueError: a one-batch update of norm 0, NaN or inf: nothing to compare with.
     """
     updates = [[np.ascontiguousarray(x, np.float64) for x in u] for u in (one_batch, *cut_updates)]
     norms = np.array([math.sqrt(dot(u, u)) for u in updates])
     if not 0 < norms[0] < math.inf:
         raise ValueError(
-            f"window_fn: the one-batch run's update has norm {norms[0]:g}: nothing to compare"
+            f"one_batch: the one-batch run's update has norm {norms[0]:g}: nothing to compare"
             " the cuts with (a loop that does not step, a learning rate or a gradient of 0,"
-            " or NaN/inf in the update)"
+            " advantages all 0, or NaN/inf in the update)"
         )
     differences = np.array([_distance(u, updates[0]) / norms[0] for u in updates[1:]])
     report = InvarianceReport(

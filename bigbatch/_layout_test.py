@@ -78,7 +78,7 @@ def test_row_items_from_labels_refuse_another_ignore_index():
     # labels padded with -1: every position would count, every row the same, and a mean of
     # means would pass the invariance audit on rows whose real items differ
     labels = np.array([[5, 1, -1, -1], [5, 1, 2, 3]])
-    with pytest.raises(ValueError, match=r"row_items: batch\['labels'\] holds \[-1\].*row_items="):
+    with pytest.raises(ValueError, match=r"batch: its 'labels' hold \[-1\].*row_items="):
         bigbatch.row_items_of({"labels": labels}, None, rows=2)
     counted = bigbatch.row_items_of({"labels": np.where(labels < 0, -100, labels)}, None, rows=2)
     np.testing.assert_array_equal(counted, [1.0, 3.0])  # targets after the shift

@@ -50,8 +50,8 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
     checkpoint ``close()`` then saves holds that window's sums: a trainer restoring it goes on
     inside the window, with the micro-batch after the last it holds. A window whose gradient
     or loss is not finite is skipped (``multi_steps``' default): no parameter moves, and
-    Tunix's step count still advances. The eval loss the loop logs is the eval set's token
-    mean (its sums over its items; Tunix averages the batches' means).
+    Tunix's step count still advances. The eval loss the loop logs is the eval set's mean
+    over its items (its loss sums over its items; Tunix averages the batches' means).
     """
 
     def __init__(self, model, optimizer, training_config, **kwargs):
@@ -82,7 +82,7 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
         inputs = self.gen_model_input_fn(inputs)
         wrt = nnx.DiffState(0, nnx.LoRAParam) if self._lora_enabled else 0
         summed_loss = functools.wraps(self.loss_fn)(
-            lambda *a, **kw: _summed(self.loss_fn(*a, **kw))
+            lambda *a, **kw: _checked_sum_and_items(self.loss_fn(*a, **kw))
         )
         grad_fn = nnx.value_and_grad(summed_loss, argnums=wrt, has_aux=True)
         (loss_sum, items_and_aux), grads = grad_fn(model, **inputs)
@@ -131,7 +131,7 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
 
     def _eval_step(self, model: nnx.Module, inputs: Any):
         """One eval batch: its mean loss, and the loss's aux with the batch's sum and items."""
-        loss_sum, items_and_aux = _summed(
+        loss_sum, items_and_aux = _checked_sum_and_items(
             self.eval_loss_fn(model, **self.gen_model_input_fn(inputs))
         )
         num_items, aux = _items_and_aux(items_and_aux)
@@ -145,8 +145,8 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
         super()._post_process_eval_step(aux)
 
     def _write_metrics(self, metrics_buffer):
-        """An eval's buffer logs the eval set's sum over its items (Tunix: the batches' mean
-        of means)."""
+        """An eval's buffer logs the eval set's loss sum over its items (Tunix: the batches'
+        mean of means)."""
         if self._mode == sft_metrics_logger.Mode.EVAL and self._eval_sums:
             sums, items = (np.sum(jax.device_get(x)) for x in zip(*self._eval_sums, strict=True))
             metrics_buffer.losses[:] = [jnp.asarray(sums / max(items, 1), jnp.float32)]
@@ -154,7 +154,7 @@ class ExactPeftTrainer(peft_trainer.PeftTrainer):
         super()._write_metrics(metrics_buffer)
 
 
-def _summed(out) -> tuple[Any, Any]:
+def _checked_sum_and_items(out) -> tuple[Any, Any]:
     """The loss's ``(loss_sum, num_items)`` or ``(loss_sum, (num_items, aux))``, or a clear
     error for Tunix's default loss (a mean, without its items)."""
     if not isinstance(out, tuple) or len(out) != 2:

@@ -37,7 +37,8 @@ def loss_items(loss_agg_mode: str, completion_mask: jax.Array) -> jax.Array:
     unit of ``dapo``); the completions with at least one token for the sequence modes (its
     sequence: ``grpo``'s for ``sequence-mean-token-mean``, ``luspo``'s for
     ``seq-mean-token-sum`` and ``sequence-mean-token-sum-norm``; ``sequence-mean-token-scale``
-    sums each completion's tokens over the completion length, ``dr_grpo``'s objective).
+    divides each completion's token sum by the maximum (padded) completion length,
+    ``dr_grpo``'s objective).
     Tunix itself rejects any other mode (``common.py:589-595``).
 
     Args:

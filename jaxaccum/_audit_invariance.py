@@ -107,7 +107,7 @@ def audit_invariance(
     batch = jax.tree.map(lambda x: x if hasattr(x, "shape") else np.asarray(x), batch)
     rows = _num_rows(batch)
     if loss_fn is not None:
-        _refuse_both(row_items)
+        bigbatch.refuse_row_items_with_loss_fn(row_items)
         row_items = np.asarray(_row_values(loss_fn, params, batch)[1])
     items = bigbatch.row_items_of(batch, row_items, rows)
     layouts = [
@@ -120,7 +120,7 @@ def audit_invariance(
         kwargs = {"num_devices": layout.num_devices} if devices else {}
         # twice per cut, at LR_SCALE x the rate first: a loop that steps per micro-batch moves
         # with the cut by about lr x curvature, which a small rate hides below the tolerance
-        return _update_on(window_fn, params, batch, layout, learning_rate, False, **kwargs)
+        return _update_on(window_fn, params, batch, layout, learning_rate, warm_up=False, **kwargs)
 
     one_batch = run(bigbatch.layout_rows(items, k=1, num_devices=1))
     updates = [run(layout) for layout in layouts]
@@ -140,14 +140,6 @@ def audit_invariance(
         learning_rate=float(learning_rate),
         max_grad_norm=max_grad_norm,
     )
-
-
-def _refuse_both(row_items: Any) -> None:
-    """``loss_fn`` counts the rows' items: ``row_items`` too would be one count too many."""
-    if row_items is not None:
-        raise ValueError(
-            "row_items: pass it or loss_fn, not both: loss_fn's num_items are the rows' items"
-        )
 
 
 def _takes_devices(window_fn: WindowFn, layouts: list[bigbatch.CellLayout]) -> bool:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxaccum._check_values import scalar
+from jaxaccum._state import at_least_float32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,11 +128,11 @@ def unscaled_to_sum(grads: Any, num_items: Any, loss_scale: Any, loss_sum: jax.A
     if loss_scale is None:
         return grads
     factor = _backward_factor(num_items, loss_scale, loss_sum)
-    wide = jnp.float64 if loss_sum.dtype == jnp.float64 else jnp.float32
+    wide = at_least_float32(loss_sum.dtype)
     undo = jnp.asarray(loss_scale, wide) / factor.astype(wide)
 
     def to_sum(g):
-        g_wide = jnp.float64 if g.dtype == jnp.float64 else jnp.float32
+        g_wide = at_least_float32(g.dtype)
         return g.astype(g_wide) * undo.astype(g_wide)
 
     return jax.tree.map(to_sum, grads)
@@ -142,7 +143,7 @@ def _backward_factor(num_items: Any, loss_scale: Any, loss_sum: jax.Array) -> ja
     most its largest finite value: a float16 loss of a micro-batch with 0 or 1 items at the
     default scale 2**16 would take an infinite factor (0 * inf: a NaN gradient that skips
     the window). :func:`unscaled_to_sum` undoes the factor as used."""
-    wide = jnp.float64 if loss_sum.dtype == jnp.float64 else jnp.float32
+    wide = at_least_float32(loss_sum.dtype)
     items = jnp.maximum(jnp.asarray(num_items).astype(wide), 1.0)
     factor = jnp.asarray(loss_scale, wide) / items
     return jnp.minimum(factor, float(jnp.finfo(loss_sum.dtype).max)).astype(loss_sum.dtype)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxaccum._policy_gradient import check_loss_type, check_same_shape
+from jaxaccum._state import at_least_float32
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
@@ -187,8 +188,7 @@ def _token_inputs(
             "policy_token_loss: `advantages` must be [...] (one per sequence) or [..., T]"
             f" (one per token) for a mask of shape {mask.shape}; got {advantages.shape}."
         )
-    # chosen without jnp.promote_types, which strict dtype promotion refuses for bfloat16
-    dtype = jnp.float64 if logps.dtype == jnp.float64 else jnp.float32
+    dtype = at_least_float32(logps.dtype)
     weights = mask.astype(dtype)
     clean = lambda x: jnp.where(weights != 0, x.astype(dtype), 0.0)
     if advantages.ndim < mask.ndim:

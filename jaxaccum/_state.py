@@ -145,6 +145,13 @@ class MultiStepsState(NamedTuple):
     last_window: WindowMetrics
 
 
+def at_least_float32(dtype: Any) -> jnp.dtype:
+    """float64 for float64, else float32: the dtype a loss, its count or an unscaled gradient
+    is computed in (bfloat16 and float16 upcast). Chosen without ``jnp.promote_types``,
+    which strict dtype promotion refuses for bfloat16 and float64."""
+    return jnp.dtype(jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32)
+
+
 def items_dtype_for(accumulator_dtype: Any) -> jnp.dtype:
     """The dtype of ``num_items``, ``loss_sum`` and the record: float32, or float64 sums'.
 

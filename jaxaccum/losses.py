@@ -7,10 +7,14 @@ token for token-level losses, a sample for sample-level ones.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bigbatch import IGNORE_INDEX
+from jaxaccum._state import at_least_float32
 
 
 def _token_losses(
@@ -29,14 +33,12 @@ def _token_losses(
             "losses: `logits` must be [..., T, vocab] and `labels` [..., T]; got"
             f" logits {logits.shape} and labels {labels.shape}."
         )
-    # at least float32 (bf16/fp16 logits are upcast; float64 stays float64), chosen without
-    # jnp.promote_types, which strict dtype promotion refuses for bfloat16 and float64
-    compute_dtype = jnp.float64 if logits.dtype == jnp.float64 else jnp.float32
+    compute_dtype = at_least_float32(logits.dtype)  # bf16/fp16 logits upcast
     shift_logits = logits[..., :-1, :].astype(compute_dtype)
     shift_labels = labels[..., 1:]
     valid = shift_labels != ignore_index
+    _refuse_labels_outside(labels, ignore_index, logits.shape[-1])
     outside = valid & ((shift_labels < 0) | (shift_labels >= logits.shape[-1]))
-    _refuse_labels_outside(shift_labels, outside, ignore_index, logits.shape[-1])
     safe_labels = jnp.where(valid & ~outside, shift_labels, 0)
     log_probs = jax.nn.log_softmax(shift_logits, axis=-1)
     picked = jnp.take_along_axis(log_probs, safe_labels[..., None], axis=-1)[..., 0]
@@ -44,13 +46,16 @@ def _token_losses(
     return jnp.where(valid, -picked, 0.0) * poison, valid
 
 
-def _refuse_labels_outside(
-    labels: jax.Array, outside: jax.Array, ignore_index: int, vocab: int
-) -> None:
-    """A ValueError for concrete labels outside ``[0, vocab)`` other than ``ignore_index``."""
-    if isinstance(outside, jax.core.Tracer) or not bool(jnp.any(outside)):
+def _refuse_labels_outside(labels: Any, ignore_index: int, vocab: int) -> None:
+    """A ValueError for concrete labels (an array or NumPy's, under a trace too) whose
+    targets (after the shift) lie outside ``[0, vocab)`` and are not ``ignore_index``."""
+    if isinstance(labels, jax.core.Tracer):
         return
-    found = sorted({int(x) for x in jax.device_get(labels[outside])})[:5]
+    targets = np.asarray(labels)[..., 1:]
+    outside = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if not outside.any():
+        return
+    found = sorted({int(x) for x in targets[outside]})[:5]
     raise ValueError(
         f"losses: `labels` must lie in [0, {vocab}) or equal ignore_index={ignore_index};"
         f" got {found} (padding marked otherwise? pass ignore_index= its value)."
@@ -120,7 +125,8 @@ def per_sample(
     Args:
       sample_losses: ``[B]`` one loss per sample (squeeze a ``[B, 1]`` model
         output first: it is refused, not broadcast).
-      mask: optional ``[B]`` bool (or 0/1 ints), False for padding samples.
+      mask: optional ``[B]`` bool, False for padding samples (or ints: nonzero
+        keeps a sample, whatever its value: not a weight).
 
     Returns:
       ``(loss_sum, num_items)``: float32 scalars (float64 for float64 losses).
@@ -135,14 +141,14 @@ def per_sample(
             "per_sample: `sample_losses` must be [B], one loss per sample; got shape"
             f" {sample_losses.shape} (squeeze a [B, 1] output)."
         )
-    dtype = jnp.float64 if sample_losses.dtype == jnp.float64 else jnp.float32
+    dtype = at_least_float32(sample_losses.dtype)
     sample_losses = sample_losses.astype(dtype)
     if mask is None:
         return jnp.sum(sample_losses), jnp.asarray(sample_losses.size, dtype)
     mask = jnp.asarray(mask)
     if mask.shape != sample_losses.shape or jnp.issubdtype(mask.dtype, jnp.floating):
         raise ValueError(
-            f"per_sample: `mask` must be [B] = {sample_losses.shape}, bool or 0/1 ints; got"
+            f"per_sample: `mask` must be [B] = {sample_losses.shape}, bool or ints; got"
             f" {mask.dtype}{list(mask.shape)}."
         )
     mask = mask.astype(jnp.bool_)

@@ -158,12 +158,14 @@ def _per_update_worst(gaps: list[list[float]]) -> list[float]:
     return [worst(values) for values in zip(*gaps, strict=True)] if gaps else []
 
 
-def counted(a: Run, b: Run) -> list[float]:
-    """Per update, the largest ``|a - b|`` of the :data:`COUNTED` fields both runs record."""
-    return _per_update_worst([absolute(a, b, key) for key in _recorded(a, b, COUNTED)])
+def count_gaps(a: Run, b: Run) -> list[float]:
+    """Per update, the largest ``|a - b|`` of the :data:`COUNTED` fields both runs record
+    (``window_items`` always: a run without it reads NaN there, which fails a parity row)."""
+    keys = ("window_items", *_recorded(a, b, COUNTED[1:]))
+    return _per_update_worst([absolute(a, b, key) for key in keys])
 
 
-def norms(a: Run, b: Run) -> list[float]:
+def norm_gaps(a: Run, b: Run) -> list[float]:
     """Per update, the relative gap of ``grad_norm`` and of ``grad_norm_clipped`` (where
     both runs record it), the worse of the two."""
     keys = ("grad_norm", *_recorded(a, b, ("grad_norm_clipped",)))
@@ -210,8 +212,8 @@ def compare(
         param_dev=param_deviation(subject, reference),
         param_dev_elementwise=param_deviation_elementwise(subject, reference),
         loss_dev=relative(subject, reference, "loss"),
-        grad_norm_dev=norms(subject, reference),
-        count_dev=counted(subject, reference) if kind == "parity" else [],
+        grad_norm_dev=norm_gaps(subject, reference),
+        count_dev=count_gaps(subject, reference) if kind == "parity" else [],
         comm=comm,
         sequences=sequences(subject, reference) if scaling else None,
         expected_skipped=expected_skipped,

@@ -124,10 +124,7 @@ def _items(loss_fn, model, batch: Batch, row_items) -> np.ndarray:
     rows = next(iter(batch.values())).shape[0]
     if loss_fn is not None:
         _check_callable(loss_fn, "loss_fn")
-        if row_items is not None:
-            raise ValueError(
-                "row_items: pass it or loss_fn, not both: loss_fn's num_items are the rows' items"
-            )
+        bigbatch.refuse_row_items_with_loss_fn(row_items)
         with torch.no_grad():
             row_items = [_loss_values(loss_fn, model, _rows(batch, [i]))[1] for i in range(rows)]
     labels = {"labels": batch["labels"].cpu().numpy()} if "labels" in batch else {}

@@ -17,7 +17,7 @@ from torch_ref import train_update
 from torch_ref._audit_test import MODEL, SKEWED, loss_fn, nanogpt_window
 from torch_ref.audit import audit_invariance
 
-pytestmark = pytest.mark.slow  # each audit runs the loop once per cut, 2-rank cuts on gloo ranks
+pytestmark = pytest.mark.slow  # each audit runs the loop twice per cut, 2-rank cuts on gloo ranks
 
 # An invariant float32 update differs from the one-batch update by rounding (measured
 # 2e-7 to 6e-7 here); bigbatch.INVARIANCE_RTOL = 1e-5 is the verdict's bound.
