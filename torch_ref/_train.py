@@ -126,11 +126,8 @@ def train_update(
     window_items = steps.window_items(ddp, world_size, items, device)
     optimizer.zero_grad(set_to_none=True)
     if window_items == 0:
-        skipped_record = _skip_empty_window(progress, k, unit, empty_window, optimizer, scaler)
-        for _ in batches:  # a schedule per micro-batch steps on ones without items too
-            variant.after_microbatch(scheduler)
-        variant.after_window(scheduler, applied=False)
-        return skipped_record
+        schedule = (variant, scheduler)
+        return _skip_empty_window(progress, k, unit, empty_window, optimizer, scaler, schedule)
 
     # 2. Per micro-batch: forward, summed loss, backward of loss_sum * R / N. The variant's
     # hooks make the choices: divisors (decision 5), objective_scale (1), no_sync_scopes (2),
@@ -198,8 +195,13 @@ def _skip_empty_window(
     empty_window: str,
     optimizer: torch.optim.Optimizer,
     scaler: torch.amp.GradScaler | None,
+    schedule: tuple[Variant, Any | None],
 ) -> dict[str, Any]:
-    """The record of a window without items (no step; NaN loss), or ValueError for "raise"."""
+    """The record of a window without items (no step; NaN loss), or ValueError for "raise".
+
+    ``schedule``: the variant and the scheduler, which steps as the variant says (after
+    each of the ``k`` micro-batches too, for a schedule per micro-batch) after the record.
+    """
     if empty_window == "raise":
         raise ValueError(
             f"microbatches: the window has no items (unit={unit!r}: no label != -100 after "
@@ -208,7 +210,12 @@ def _skip_empty_window(
     progress.advance(k, 0.0, SkipReason.EMPTY)
     lr = float(optimizer.param_groups[0]["lr"])
     loss_scale = float(scaler.get_scale()) if scaler is not None else 1.0
-    return record(progress, 0.0, math.nan, 0.0, 0.0, SkipReason.EMPTY, lr, loss_scale)
+    skipped = record(progress, 0.0, math.nan, 0.0, 0.0, SkipReason.EMPTY, lr, loss_scale)
+    variant, scheduler = schedule
+    for _ in range(k):
+        variant.after_microbatch(scheduler)
+    variant.after_window(scheduler, applied=False)
+    return skipped
 
 
 def windows_of(
