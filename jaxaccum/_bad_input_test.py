@@ -239,6 +239,41 @@ def nnx_rngs_argument():
     jaxaccum.value_and_grad(loss)(PARAMS, jnp.ones((2, 2)), nnx.Rngs(dropout=0))
 
 
+def nnx_rng_stream_argument():
+    """An ``nnx.RngStream`` (``rngs.dropout``) handed to ``loss_fn`` beside the batch."""
+    from flax import nnx
+
+    loss = lambda w, x, stream: (jnp.sum(x @ w["w"]), jnp.float32(x.shape[0]))
+    jaxaccum.value_and_grad(loss)(PARAMS, jnp.ones((2, 2)), nnx.Rngs(dropout=0).dropout)
+
+
+def key_closed_over_under_jit():
+    """A dropout key that ``loss_fn`` closes over, under ``jit`` on a 4-device mesh."""
+    key = jax.random.key(0)
+
+    def loss(p, x):
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        return jnp.sum(jnp.where(keep, x, 0.0) @ p["w"]), jnp.float32(x.shape[0])
+
+    with on_explicit_mesh() as (_, params, _, x):
+        jax.jit(jaxaccum.value_and_grad(loss, axis_name="data"))(params, x)
+
+
+def keys_per_row_replicated():
+    """A key per row, made by ``jax.random.split`` inside ``jit``: replicated, not split."""
+
+    def loss(p, batch):
+        keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5, (2,)))(batch["keys"])
+        return jnp.sum(jnp.where(keep, batch["x"], 0.0) @ p["w"]), jnp.float32(8)
+
+    def step(p, x, key):
+        batch = {"x": x, "keys": jax.random.split(key, 8)}
+        return jaxaccum.value_and_grad(loss, axis_name="data")(p, batch)
+
+    with on_explicit_mesh() as (_, params, _, x):
+        jax.jit(step)(params, x, jax.random.key(0))
+
+
 def nnx_module_to_accumulate_gradients():
     from flax import nnx
 
@@ -368,6 +403,9 @@ RAISES = [
     ("state_made_outside_the_mesh", state_made_outside_the_mesh, ValueError),
     ("nnx_batch_statistics_per_device", nnx_batch_statistics_per_device, ValueError),
     ("nnx_rngs_argument", nnx_rngs_argument, TypeError),
+    ("nnx_rng_stream_argument", nnx_rng_stream_argument, TypeError),
+    ("key_closed_over_under_jit", key_closed_over_under_jit, ValueError),
+    ("keys_per_row_replicated", keys_per_row_replicated, ValueError),
     ("nnx_module_to_accumulate_gradients", nnx_module_to_accumulate_gradients, TypeError),
     ("unreduced_items_outside_jit", unreduced_items_outside_jit, ValueError),
     ("grads_already_summed_by_autodiff", grads_summed_by_autodiff, ValueError),

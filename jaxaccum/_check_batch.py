@@ -20,7 +20,6 @@ import numpy as np
 
 from jaxaccum import _sharding
 from jaxaccum._sharding import AxisName, Placement
-from jaxaccum._streams import is_key
 
 
 class Caller(NamedTuple):
@@ -61,7 +60,8 @@ def batch_split(args: Any, axis_name: AxisName | None, caller: Caller = VALUE_AN
     is split over the axes JAX tracks it varying over (not under ``pmap``,
     which maps a leading axis, or with ``check_vma=False``). A leaf not split over
     every batch axis is refused when no leaf is, or when it has as many rows
-    (``caller.row_axis``) as a split leaf. Scalars and PRNG keys are not rows;
+    (``caller.row_axis``) as a split leaf (keys too: a key per row is split as
+    the rows are). Scalars are not rows;
     with no array argument (a loss that closes over its batch) nothing is told.
     """
     if axis_name is None or _devices(_sharding.axes(axis_name)) in (0, 1):
@@ -74,7 +74,7 @@ def batch_split(args: Any, axis_name: AxisName | None, caller: Caller = VALUE_AN
     leaves = [
         (caller.argument + jax.tree_util.keystr(path), x)
         for path, x in jax.tree_util.tree_flatten_with_path(args)[0]
-        if np.ndim(x) > caller.row_axis and not is_key(x)
+        if np.ndim(x) > caller.row_axis
     ]
     batch_axes = set(_sharding.axes(axis_name))
     split = {path: _split_over(x, where, caller.row_axis) & batch_axes for path, x in leaves}

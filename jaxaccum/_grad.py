@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,7 @@ from jaxaccum._check_grads import axis_bound
 from jaxaccum._explicit_grad import per_device_under_jit
 from jaxaccum._loss_scale import scaled_loss, unscaled_to_sum
 from jaxaccum._sharding import Placement
-from jaxaccum._streams import is_key, own_streams
+from jaxaccum._streams import draws_checked, is_key, own_streams
 
 
 def value_and_grad(
@@ -44,10 +45,16 @@ def value_and_grad(
     device draws its own dropout mask, as the same step under plain ``jit``
     draws distinct rows. An array of keys split over the devices with the rows
     (a key per row) is each device's own already and is left as it is: it
-    draws the masks it draws on one device. The keys the module keeps are
-    written back unchanged.
-    A raw ``uint32[2]`` key (``jax.random.PRNGKey``) is refused: pass
-    ``jax.random.key(seed)``. ``params`` may be a pytree or a
+    draws the masks it draws on one device (not under ``pmap`` or
+    ``shard_map(check_vma=False)``, where JAX does not track what varies: it is
+    folded too, and draws other masks, distinct per device). The keys the
+    module keeps are written back unchanged. Where JAX tracks what varies
+    (``jit`` on a mesh, ``shard_map``), a draw from a key that is the same on
+    every device is refused: a key ``loss_fn`` closes over, a raw ``uint32``
+    key (``jax.random.PRNGKey``); under ``pmap`` such a key draws the same
+    numbers on every device, so pass typed keys as arguments there. RNG
+    streams among ``args`` (an ``nnx.Rngs``, an ``nnx.RngStream``, a module
+    keeping one) are refused: keep them in the model. ``params`` may be a pytree or a
     ``flax.nnx.Module`` (then ``loss_fn`` takes the module, ``grads`` is the
     ``nnx.State`` of its ``nnx.Param``\\ s as ``nnx.value_and_grad`` gives it,
     and the module's other state is written back).
@@ -113,18 +120,21 @@ def nnx_of(params: Any) -> Any:
 
 
 def _no_nnx_rngs(args: tuple) -> None:
-    """Refuses an ``nnx.Rngs`` among the arguments after ``params``: its streams would
-    neither draw per device nor advance (flax's ``TraceContextError``, or JAX's error
-    about unreduced arrays)."""
+    """Refuses RNG streams among the arguments after ``params`` (an ``nnx.Rngs``, an
+    ``nnx.RngStream``, a module holding one): their counts would not advance (every
+    micro-step would draw the same masks), or flax raises its ``TraceContextError``."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return
     for arg in jax.tree.leaves(args, is_leaf=nnx.graph.is_graph_node):
-        if isinstance(arg, nnx.Rngs):
+        if nnx.graph.is_graph_node(arg) and len(jax.tree.leaves(nnx.state(arg, nnx.RngState))):
             raise TypeError(
-                "jaxaccum.value_and_grad: an argument after `params` is an nnx.Rngs. Keep it"
-                " in the model (nnx.Dropout(rate, rngs=rngs)), whose streams are drawn per"
-                " device and written back, or pass a typed key (jax.random.key(seed))."
+                "jaxaccum.value_and_grad: an argument after `params` holds RNG streams"
+                f" ({type(arg).__name__}: an nnx.Rngs, an nnx.RngStream, or a module that keeps"
+                " one); their counts would not advance, so every micro-step would draw the"
+                " same masks. Keep them in the model (nnx.Dropout(rate, rngs=rngs)), whose"
+                " streams are drawn per device and written back, or pass a typed key"
+                " (jax.random.key(seed))."
             )
 
 
@@ -138,6 +148,7 @@ def _differentiate(objective, params, args, axis_name):
     Returns ``(grads, (values, extra))``.
     """
 
+    @functools.partial(draws_checked, axis_name=axis_name)
     def grad(params, loss_scale, *args):  # per device where the objective runs per device
         grads, (values, extra) = jax.grad(objective, has_aux=True)(params, loss_scale, *args)
         return unscaled_to_sum(grads, values[1], loss_scale, values[0]), (values, extra)

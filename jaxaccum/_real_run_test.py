@@ -141,6 +141,29 @@ def test_an_nnx_module_draws_per_device_and_keeps_its_rng_stream():
     assert int(model.drop.rngs.count[...]) == 1  # one draw per call, not one per device
 
 
+def test_a_key_closed_over_and_folded_by_hand_draws_as_the_key_passed_in():
+    # a closed-over key is refused (docs/bad-inputs.md: key_closed_over_under_jit) unless
+    # folded by hand, which is what value_and_grad does to a key passed in: bitwise the same
+    key = jax.random.key(7)
+    by_hand = lambda p, b: regression_loss(
+        p, b, jax.random.fold_in(key, jax.lax.axis_index("data"))
+    )
+    shared = lambda p, b: regression_loss(p, b, jax.lax.pcast(key, "data", to="varying"))
+    with jax.set_mesh(jax.make_mesh((DEVICES,), ("data",))):
+        params, batch = jax.device_put(PARAMS, P()), jax.device_put(BATCH, P("data"))
+        grads_of = lambda f, *key: jax.jit(jaxaccum.value_and_grad(f, axis_name="data"))(
+            params, batch, *key
+        )[1]["w"]
+        total = lambda g: np.asarray(jax.reshard(g, P()))  # the devices' partial sums added
+        passed_in, folded, same = (
+            total(grads_of(regression_loss, key)),
+            total(grads_of(by_hand)),
+            total(grads_of(shared)),
+        )
+    np.testing.assert_array_equal(folded, passed_in)
+    assert np.max(np.abs(same - passed_in)) > 1e-2  # one mask on every device: other rows kept
+
+
 def test_a_key_per_row_split_with_the_rows_draws_the_one_device_masks():
     def loss_fn(params, batch):
         keep = jax.vmap(lambda key: jax.random.bernoulli(key, 0.5, (3,)))(batch["key"])

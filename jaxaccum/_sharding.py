@@ -55,11 +55,11 @@ def placement(axis_name: AxisName | None) -> Placement:
         if types == {AxisType.Explicit}:
             return Placement.EXPLICIT
         raise ValueError(
-            f"multi_steps: mesh axis {axis_name!r} is of type {sorted(t.name for t in types)}:"
+            f"axis_name: mesh axis {axis_name!r} is of type {sorted(t.name for t in types)}:"
             " under jax.jit an Auto axis leaves the window's sums to the partitioner, which"
             " reduces every micro-step. For one gradient reduction per window make the axis"
-            " Explicit (jax.make_mesh's default), or map the step with jax.shard_map; for"
-            " GSPMD's per-micro-step reduction build multi_steps without axis_name."
+            " Explicit (jax.make_mesh's default), or map the step with jax.shard_map; for GSPMD's"
+            " per-micro-step reduction pass no axis_name (to multi_steps and value_and_grad)."
         )
     return Placement.PER_DEVICE  # pmap or vmap, or outside any mapping (shard_map's layout)
 
@@ -284,8 +284,8 @@ def global_norm(grads: Any) -> jax.Array:
 
 
 def varying_axes(x: Any) -> frozenset[str]:
-    """The ``shard_map`` axes over which ``x`` differs (empty outside, or under pmap)."""
-    aval = jax.typeof(x)
+    """The ``shard_map`` axes over which ``x`` (or its aval) differs (empty outside, pmap)."""
+    aval = x if isinstance(x, jax.core.ShapedArray) else jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)
     if manual is not None:
         return frozenset(manual.varying)

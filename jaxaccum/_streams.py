@@ -1,14 +1,19 @@
 """Randomness per device: each device draws its own stream, as plain ``jit`` draws distinct rows.
 
 ``jaxaccum.value_and_grad`` runs the loss per device; a replicated key would
-draw the same dropout mask on every device (:func:`own_streams`).
+draw the same dropout mask on every device. The typed keys among the loss's
+arguments are folded with the device's index (:func:`own_streams`), and a draw
+from any other key that is the same on every device is refused
+(:func:`draws_checked`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 
 from jaxaccum import _sharding
@@ -23,17 +28,15 @@ def own_streams(tree: Any, axis_name: AxisName | None) -> Any:
     same step under plain ``jit`` draws distinct rows. An array of keys is
     folded key by key; one split over the devices (a key per row, where JAX
     tracks what varies: ``jit`` on a mesh, ``shard_map``) is each device's own
-    already and is left as it is, so it draws what it draws on one device.
-    Outside a per-device context, or without ``axis_name``, ``tree`` is
-    returned as it is.
+    already and is left as it is, so it draws what it draws on one device
+    (under ``pmap`` or ``shard_map(check_vma=False)`` JAX cannot tell it from a
+    replicated one: it is folded too, and draws other masks than one device
+    would, still distinct per device). Outside a per-device context, or
+    without ``axis_name``, ``tree`` is returned as it is.
     """
-    if axis_name is None or _sharding.placement(axis_name) is not Placement.PER_DEVICE:
+    index = _device_index(axis_name)
+    if index is None:
         return tree
-    try:
-        index = jax.lax.axis_index(axis_name)
-    except NameError:  # the axis is not bound: not per device
-        return tree
-    _refuse_raw_keys(tree, axis_name, index)
     batch_axes = frozenset(_sharding.axes(axis_name))
 
     def fold(x):
@@ -44,23 +47,74 @@ def own_streams(tree: Any, axis_name: AxisName | None) -> Any:
     return jax.tree.map(fold, tree)
 
 
+def draws_checked(fn: Callable[..., Any], axis_name: AxisName | None) -> Callable[..., Any]:
+    """``fn``, refusing a random draw from a key that is the same on every device.
+
+    Where ``fn`` runs per device and JAX tracks what varies over the devices
+    (``jit`` on a mesh, ``shard_map``), ``fn`` is traced once to a jaxpr, its
+    ``random_bits`` are checked, and the jaxpr is evaluated in its place (no
+    second trace of the model). A key that ``loss_fn`` closes over, or keeps
+    anywhere but its arguments, and a raw ``uint32`` key are not folded by
+    :func:`own_streams`: every device would draw the same dropout mask, where
+    plain ``jit`` draws distinct rows. Elsewhere (one device, GSPMD, ``pmap``, ``shard_map``
+    without vma checking) ``fn`` is returned as it is.
+    """
+
+    def checked(*args: Any) -> Any:
+        index = _device_index(axis_name)
+        batch_axes = frozenset(_sharding.axes(axis_name or ()))
+        if index is None or not batch_axes <= _sharding.varying_axes(index):
+            return fn(*args)  # not per device, or JAX does not track what varies
+        leaves, tree = jax.tree.flatten(args)
+        traced = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]  # others: as given
+
+        def of_arrays(*arrays):
+            filled = list(leaves)
+            for i, x in zip(traced, arrays, strict=True):
+                filled[i] = x
+            return fn(*tree.unflatten(filled))
+
+        arrays = [leaves[i] for i in traced]
+        closed, out_shape = jax.make_jaxpr(of_arrays, return_shape=True)(*arrays)
+        _refuse_shared_draws(closed.jaxpr, batch_axes, axis_name)
+        out = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *arrays)
+        return jax.tree.structure(out_shape).unflatten(out)
+
+    return checked
+
+
+def _refuse_shared_draws(jaxpr: Any, batch_axes: frozenset, axis_name: AxisName) -> None:
+    """Raises for a ``random_bits`` in ``jaxpr`` (or a jaxpr inside it) whose key does
+    not vary over ``batch_axes``."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "random_bits":
+            key = eqn.invars[0].aval
+            if not batch_axes <= _sharding.varying_axes(key):
+                raise ValueError(
+                    "jaxaccum.value_and_grad: loss_fn draws random numbers"
+                    f" ({eqn.outvars[0].aval.str_short()}) from a PRNG key that is the same on"
+                    " every device, so each device would draw the same mask where plain jit"
+                    " draws distinct rows. The typed keys among loss_fn's arguments are folded"
+                    " with the device's index; a key that loss_fn closes over (or keeps"
+                    " elsewhere) and a raw uint32 key (jax.random.PRNGKey) are not. Pass"
+                    " jax.random.key(seed) as an argument after params, or fold the key"
+                    f" yourself: jax.random.fold_in(key, jax.lax.axis_index({axis_name!r})). If"
+                    " the same numbers on every device are what you want, say so:"
+                    f" jax.lax.pcast(key, {axis_name!r}, to='varying')."
+                )
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            _refuse_shared_draws(sub, batch_axes, axis_name)
+
+
+def _device_index(axis_name: AxisName | None) -> jax.Array | None:
+    """This device's index over ``axis_name`` where the code runs per device, else None."""
+    if axis_name is None or _sharding.placement(axis_name) is not Placement.PER_DEVICE:
+        return None
+    try:
+        return jax.lax.axis_index(axis_name)
+    except NameError:  # the axis is not bound: not per device
+        return None
+
+
 def is_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _refuse_raw_keys(tree: Any, axis_name: AxisName, index: jax.Array) -> None:
-    """A raw ``uint32[2]`` key cannot be told from data: one that is the same on
-    every device (seen where JAX tracks it, with vma checking) is refused, rather
-    than draw one mask for every device."""
-    batch_axes = frozenset(_sharding.axes(axis_name))
-    if not batch_axes <= _sharding.varying_axes(index):
-        return  # no vma checking: replicated and per-device values look alike
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        raw = getattr(x, "dtype", None) == jnp.uint32 and jnp.shape(x) == (2,)
-        if raw and not batch_axes <= _sharding.varying_axes(x):
-            raise TypeError(
-                f"jaxaccum.value_and_grad: argument leaf {jax.tree_util.keystr(path)} is a"
-                " uint32[2] array, a raw PRNG key (jax.random.PRNGKey): per device it would"
-                " draw the same numbers on every device. Pass a typed key"
-                " (jax.random.key(seed)); each device then draws its own stream."
-            )
