@@ -92,6 +92,7 @@ Audit (``docs/audit.md``; the report is ``bigbatch.AuditReport``, as in ``jaxacc
         window_fn(model, optimizer, microbatches) -> None   # your loop, one SGD update
         loss_fn(model, batch) -> (loss_sum, num_items)       # the reference summed loss
     audit.audit_hf_trainer(model, rows, *, k=4, world_size=1, timeout_s=300.0,
+                           trainer_class=None, trainer_kwargs=None,
                            **training_args) -> AuditReport  # a transformers.Trainer
     audit.audit_invariance(window_fn, model, batch, *, cuts, ...) -> InvarianceReport
     audit.audit_trl_grpo(loss_type, *, gradient_accumulation_steps, steps_per_generation=None,

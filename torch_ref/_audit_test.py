@@ -362,11 +362,12 @@ def test_bad_arguments_are_refused_with_their_name(change, match):
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(max_grad_norm=-1.0), "max_grad_norm: expected None, the threshold > 0"),
+        (dict(max_grad_norm=None), "max_grad_norm: expected the number the Trainer clips"),
         (dict(optim="adamw_torch"), "training_args: the audit sets optim='sgd' itself"),
         (dict(bf16=True), "training_args: the audit sets bf16=False itself"),
         (dict(no_such_argument=1), "training_args: not arguments of"),
-        (dict(rows=[{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [1], "labels": [1]}]),
+        (dict(rows=[{"input_ids": [1, 2], "labels": [1, 2]}] * 3
+                   + [{"input_ids": [1], "labels": [1]}]),
          "rows: expected rows of one length"),
     ],
 )  # fmt: skip

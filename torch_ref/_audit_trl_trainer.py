@@ -78,9 +78,10 @@ def run_key(ranks: int, run: TrainerRun) -> tuple:
 # ---- the trainer (in this process or in a rank) -------------------------------------------------
 
 
-def _grpo_trainer(model: nn.Module, args: Any, data: dict) -> tuple[Any, list]:
+def _grpo_trainer(model: nn.Module, args: Any, data: dict, start: nn.Module) -> tuple[Any, list]:
     """The `TrainerRun` factory: the recording GRPOTrainer on ``data["prompts"]``, whose
-    ``rollout_func`` hands in the pool's completions and whose reward is the pool's."""
+    ``rollout_func`` hands in the pool's completions and whose reward is the pool's (one
+    update: ``start``, the model before it, is not read)."""
     from datasets import Dataset
     from transformers import PrinterCallback
 

@@ -3,8 +3,8 @@
 The audits of a Hugging Face trainer (`audit_hf_trainer`, `audit_trl_grpo`) all
 run it the same way: build the trainer's arguments from settings (the class
 named by ``args_class``, a temporary ``output_dir``), hand them to a picklable
-factory that builds the trainer on a fresh copy of the model, train (one step:
-the settings say ``max_steps=1``), and return rank 0's parameters and what the
+factory that builds the trainer on a fresh copy of the model, train (the updates
+the settings' ``max_steps`` says), and return rank 0's parameters and what the
 trainer recorded (e.g. the rows each micro-batch read). Several runs on one
 world size share one launch of the ranks (one start-up, imports included).
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import importlib
 import os
 import random
@@ -42,8 +43,8 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_T
 """The environment of every run: the Hub offline, no telemetry (read when ``huggingface_hub``
 is first imported)."""
 
-# factory(model, args, data) -> (the trainer, a list the trainer fills while it trains)
-TrainerFactory = Callable[[nn.Module, Any, Any], tuple[Any, list]]
+# factory(model, args, data, start) -> (the trainer, a list the trainer fills while it trains)
+TrainerFactory = Callable[[nn.Module, Any, Any, nn.Module], tuple[Any, list]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,12 +53,14 @@ class TrainerRun:
 
     Attributes:
       factory: a module-level function (or a ``functools.partial`` of one),
-        ``factory(model, args, data) -> (trainer, records)``: the trainer built
-        on ``model`` with ``args``, and the list it fills while it trains.
+        ``factory(model, args, data, start) -> (trainer, records)``: the trainer
+        built on ``model`` with ``args``, and the list it fills while it trains;
+        ``start`` is the model ``model`` was copied from, untouched (where a run
+        puts its parameters back, without a copy of its own).
       args_class: the arguments' class as ``"module.Name"`` (e.g.
         ``"transformers.TrainingArguments"``, ``"trl.GRPOConfig"``), imported in
         the rank after `OFFLINE` is set.
-      settings: the arguments but ``output_dir`` (a temporary folder).
+      settings: the arguments but ``output_dir`` (a temporary folder, whatever they say).
       data: what the factory builds the dataset from.
       expected_warnings: the beginnings of the messages of warnings the run expects (the
         trainer's own notices); they are left out while it is built and trained.
@@ -156,8 +159,12 @@ def _rank_runs(
             with warnings.catch_warnings():
                 for message in run.expected_warnings:
                     warnings.filterwarnings("ignore", message=re.escape(message))
-                args = args_class(**{"output_dir": output_dir, **run.settings})
-                trainer, records = run.factory(copied, args, run.data)
+                args = args_class(**{**run.settings, "output_dir": output_dir})  # never yours
+                trainer, records = run.factory(copied, args, run.data, model)
                 trainer.train()
         results.append((_rank0_parameters(rank, copied), records))
+        # the trainer and its copy of the model (and its gradients) freed before the audit
+        # computes its own: the trainer's callbacks hold them in a cycle the collector breaks
+        del trainer, copied
+        gc.collect()
     return results
