@@ -34,6 +34,11 @@ the update by percents."""
 Leaves = list[np.ndarray]
 
 
+# Fitted row weights this far from 1 are a weighting, not the fit's noise (which is about
+# the update's rounding over a cell's share of it: 1e-6 and below for a cell of any weight).
+WEIGHTS_APART = 0.01
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class InvarianceReport:
     """How far each cut's update is from the one-batch update of the same rows.
@@ -114,8 +119,22 @@ class InvarianceReport:
         header = (
             f"Invariance of one SGD update to the cut of its window ({items}): {self.summary()}"
         )
-        notes = [self.note] if self.note else []
+        notes = ([self.note] if self.note else []) + self._weights_apart()
         return "\n".join([header, "", *(line.rstrip() for line in lines), "", *notes]).rstrip()
+
+    def _weights_apart(self) -> list[str]:
+        """A note for each cut within the tolerance whose fitted row weights are not the
+        one batch's (beyond ``WEIGHTS_APART``): a term too small to move the update."""
+        if self.weights is None:
+            return []
+        apart = lambda i: np.nanmax(np.abs(self.weights[i] - 1.0)) > WEIGHTS_APART
+        return [
+            f"{cut} is within the tolerance, but its fit weighs rows {self._weights(i)}x the"
+            " one batch's: a term too small to move the update beyond the tolerance (a small"
+            " coefficient) weighs its rows otherwise, or the fit cannot tell their weights"
+            for i, cut in enumerate(self.cuts)
+            if self.differences[i] <= self.tolerance and apart(i)
+        ]
 
     def _weights(self, i: int) -> str:
         """The range of the cut's row weights, ``"0.52-2.1"`` (``"1.00"`` when all agree)."""

@@ -67,7 +67,7 @@ def check_cut(
             f" prompt groups), got GA={k!r}, R={ranks!r}"
         )
     spg = k if steps_per_generation is None else steps_per_generation
-    if spg not in (k, 2 * k) or isinstance(spg, bool):
+    if not isinstance(spg, int) or isinstance(spg, bool) or spg not in (k, 2 * k):
         raise ValueError(
             f"steps_per_generation: expected None, GA ({k}) or 2 GA ({2 * k}), got"
             f" {steps_per_generation!r}"
@@ -79,7 +79,10 @@ def check_cut(
     if epsilon_high is None and loss_type == "cispo":
         epsilon_high = CISPO_EPSILON_HIGH
     if epsilon_high is not None and not (
-        isinstance(epsilon_high, int | float) and epsilon_high > 0
+        isinstance(epsilon_high, int | float)
+        and not isinstance(epsilon_high, bool)
+        and math.isfinite(epsilon_high)
+        and epsilon_high > 0
     ):
         raise ValueError(f"epsilon_high: expected None or a number > 0, got {epsilon_high!r}")
     return GRPOCut(loss_type, k, spg, ranks, float(entropy_coef), epsilon_high)

@@ -35,7 +35,8 @@ class GRPOInvarianceReport(bigbatch.InvarianceReport):
     The cells of ``weights`` and ``row_items`` are the window's sequences (in the
     one-batch run's order), each with the gradient of its policy term
     ``sum_t -A_i log p_it`` (at ratio 1), then, with ``entropy_coef``, the same
-    sequences with that of their entropy bonus ``sum_t -entropy_coef H_it``.
+    sequences with that of their entropy bonus without its coefficient, ``sum_t -H_it``
+    (the weights are ratios to the one-batch run's, whatever a cell's scale).
 
     Its attributes are `bigbatch.InvarianceReport`'s and these.
 
@@ -95,7 +96,7 @@ def cut_report(
         raise RuntimeError(f"GRPOTrainer: the one-batch run read other prompts than {expected}")
     microbatches = _microbatches(cut_result.records, rows)
     tokens = np.array([len(completion) for _, completion, _ in rows], np.float64)
-    grads = _cell_gradients(model, rows, cut.entropy_coef)
+    grads = _cell_gradients(model, rows, bool(cut.entropy_coef))
     before = _numpy(_parameters(model))
     deltas = [
         [
@@ -108,7 +109,13 @@ def cut_report(
         [cut.name], deltas[0], [deltas[1]], row_items=np.tile(tokens, len(grads) // len(rows)),
         row_grad=grads.__getitem__, progress=progress, learning_rate=LEARNING_RATE,
     )  # fmt: skip
-    big = [-LEARNING_RATE / tokens.sum() * sum(leaves) for leaves in zip(*grads, strict=True)]
+    # the entropy cells without their coefficient (a fit's weights are ratios, whatever a
+    # cell's scale; a small coefficient would shrink their Gram matrix by its square)
+    scales = [1.0] * len(rows) + [cut.entropy_coef] * (len(grads) - len(rows))
+    big = [
+        -LEARNING_RATE / tokens.sum() * sum(c * g for c, g in zip(scales, leaves, strict=True))
+        for leaves in zip(*grads, strict=True)
+    ]
     return GRPOInvarianceReport(
         **{f.name: getattr(report, f.name) for f in dataclasses.fields(report)},
         cut=cut, tokens=tokens, advantages=np.array([a for _, _, a in rows]),
@@ -141,10 +148,11 @@ def _microbatches(records: list[list[dict]], rows: list[tuple]) -> np.ndarray:
 
 
 def _cell_gradients(
-    model: nn.Module, rows: list[tuple], entropy_coef: float
+    model: nn.Module, rows: list[tuple], with_entropy: bool
 ) -> list[list[np.ndarray]]:
-    """Each row's gradient of ``sum_t -A log p_t`` (the policy term at ratio 1), then, with
-    ``entropy_coef``, each row's of ``sum_t -entropy_coef H_t``; float32 leaves."""
+    """Each row's gradient of ``sum_t -A log p_t`` (the policy term at ratio 1), then,
+    ``with_entropy``, each row's of ``sum_t -H_t`` (the bonus without its coefficient);
+    float32 leaves."""
     params, policy, entropy = _parameters(model), [], []
     for prompt, completion, advantage in rows:
         logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
@@ -153,9 +161,9 @@ def _cell_gradients(
         policy.append(
             _numpy(torch.autograd.grad(-advantage * token_logp, params, retain_graph=True))
         )
-        if entropy_coef:
+        if with_entropy:
             h = -(logp.exp() * logp).sum()
-            entropy.append(_numpy(torch.autograd.grad(-entropy_coef * h, params)))
+            entropy.append(_numpy(torch.autograd.grad(-h, params)))
     return policy + entropy
 
 

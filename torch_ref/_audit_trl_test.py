@@ -106,6 +106,22 @@ def test_the_entropy_bonus_is_a_mean_of_micro_batch_means(trl):
 
 
 @slow
+def test_a_small_entropy_coefficient_keeps_its_weights_and_a_note(trl):
+    # the entropy cells are fitted without their coefficient: at c = 1e-3 (TRL's adaptive
+    # controller moves it by 5e-3) the weights are the formula's; the bonus is ~1e-3 of the
+    # update, so the update's float32 rounding (~5e-7) over its share leaves ~5e-4 (measured
+    # 3.2e-3 at most: 1e-2). At c = 1e-5 the update moves within the tolerance: INVARIANT,
+    # with a note that the fit weighs the bonus's rows otherwise
+    tiny, small = audit_trl_grpo_cuts(
+        [GRPOCut("grpo", 4, entropy_coef=1e-5), GRPOCut("grpo", 4, entropy_coef=1e-3)],
+        progress=False,
+    )
+    relative, _ = trl_prediction.predicted(small)
+    np.testing.assert_allclose(small.weights[0], relative, rtol=1e-2)
+    assert tiny.invariant and "but its fit weighs rows 0.6" in str(tiny), tiny
+
+
+@slow
 def test_two_gloo_ranks_dapo_counts_globally_bnpo_locally(trl):
     # one launch of 2 ranks for both: dapo gathers num_items_in_batch over the ranks (and
     # divides by R, which DDP's mean undoes); bnpo divides by each rank's micro-batch tokens
@@ -131,6 +147,8 @@ def test_two_gloo_ranks_dapo_counts_globally_bnpo_locally(trl):
         ({"steps_per_generation": 3}, r"steps_per_generation: expected None, GA \(2\) or 2 GA"),
         ({"entropy_coef": math.nan}, "entropy_coef: expected a finite number"),
         ({"epsilon_high": -1.0}, "epsilon_high: expected None or a number > 0"),
+        ({"epsilon_high": True}, "epsilon_high: expected None or a number > 0"),
+        ({"steps_per_generation": 4.0}, r"steps_per_generation: expected None, GA \(2\) or 2 GA"),
     ],
 )
 def test_bad_arguments_are_refused_with_their_name(change, match):
