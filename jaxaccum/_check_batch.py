@@ -153,6 +153,11 @@ def _not_split(
     axes = ", ".join(repr(a) for a in batch_axes)
     leaves = ", ".join(f"{p} {layouts[p]}" for p in paths[:4])
     fix = caller.put if where is Placement.EXPLICIT else "in_specs=P({}) for it in jax.shard_map"
+    if where is Placement.EXPLICIT and jax.process_count() > 1:  # device_put keeps one's rows
+        fix = (
+            "on several processes, from each process's own rows,"
+            " jax.make_array_from_process_local_data(jax.NamedSharding(mesh, P({})), local_rows)"
+        )
     whole = len(paths) == len(layouts)
     if sliced:  # split over an axis after the rows
         consequence = (

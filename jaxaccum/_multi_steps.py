@@ -229,7 +229,7 @@ def _close_window(settings, inner, slot, state, params, dynamic):
     apply = finite & nonempty
     if settings.nonfinite == "raise":
         fail = (~finite, state.micro_step, totals.loss, totals.grad_norm)
-        jax.debug.callback(_checks.raise_if_nonfinite, *fail)
+        jax.debug.callback(_checks.raise_if_nonfinite, *fail, partitioned=True)  # every host
     window_grads = jax.tree.map(lambda g, t: g.astype(t.dtype), window_grads, inner.grad_types)
     carry = step_carry(slot, state.inner_state, window_grads, params, dynamic)
     slot, inner_state, *_ = _once_if(apply, inner.step, *carry)

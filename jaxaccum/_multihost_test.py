@@ -167,3 +167,16 @@ def test_two_processes_give_the_single_process_updates(tmp_path, reference, mode
         np.testing.assert_allclose(
             got[f"metrics/{key}"], reference[f"metrics/{key}"], rtol=RECORD_RTOL, err_msg=key
         )
+
+
+def test_nonfinite_raise_under_jit_raises_on_every_process(tmp_path):
+    # the check runs on each device (a partitioned callback): run on one device only, it
+    # raised on process 0 while process 1 went on and waited at its next collective
+    results = launch(tmp_path, "jit_raise")
+    assert [int(r["raised"]) for r in results] == [1, 1]
+
+
+def test_restore_state_of_a_live_state_spanning_processes_names_the_fix(tmp_path):
+    # it was JAX's "Fetching value for `jax.Array` that spans non-addressable devices"
+    results = launch(tmp_path, "restore_live")
+    assert [int(r["raised"]) for r in results] == [1, 1]

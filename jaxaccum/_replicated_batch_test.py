@@ -63,6 +63,20 @@ def test_plain_jit_refuses_a_batch_not_split(place):
         assert "args[0]['x']" in str(error.value)  # the argument, by its path
 
 
+def test_on_several_processes_the_fix_builds_the_batch_from_each_process_s_rows(monkeypatch):
+    # jax.device_put(batch, P("data")) of a batch each process built from its own rows keeps
+    # one process's rows (the multi-host red team: half the rows dropped, no error)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
+    tx = jaxaccum.multi_steps(optax.sgd(0.1), K, axis_name="data")
+    with jax.set_mesh(mesh):
+        params = jax.device_put(make_params(), P())
+        with pytest.raises(ValueError, match="not split over the batch axis 'data'") as error:
+            jit_step(tx)(params, tx.init(params), jax.device_put(make_batch(), P()))
+    assert "jax.make_array_from_process_local_data(" in str(error.value)
+    assert FIX not in str(error.value)
+
+
 def test_plain_jit_counts_a_split_batch_once():
     mesh = jax.make_mesh((DEVICES,), ("data",), devices=jax.devices()[:DEVICES])
     tx = jaxaccum.multi_steps(optax.sgd(0.1), K, axis_name="data")

@@ -107,6 +107,13 @@ def _leaf(value: Any, target: Any, where: str, rows: _Rows | None) -> Any:
         return _python_scalar(value, target, where)
     if is_key(target):
         return _prng_key(value, target, where)
+    if isinstance(value, jax.Array) and not value.is_fully_addressable:
+        raise ValueError(
+            f"restore_state: `saved` leaf {where} spans devices of other processes, which this"
+            " one cannot read. Read the checkpoint onto this process's own CPU device in each"
+            " process (Orbax, sharding=SingleDeviceSharding(jax.local_devices(backend='cpu')[0])),"
+            " then restore_state."
+        )
     value = np.asarray(value if hasattr(value, "dtype") else jax.numpy.asarray(value))
     value = _same(value, target, where) if rows is None else _window_sum(value, target, where, rows)
     return _place(value, target)

@@ -84,6 +84,53 @@ def train(mesh, local_windows: dict[str, np.ndarray], mode: str) -> dict[str, np
     return out
 
 
+def nonfinite_raises(mesh, local_windows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Mode ``"jit_raise"``: ``nonfinite="raise"`` under plain ``jax.jit`` with NaN
+    parameters; this process's first boundary must raise (on every process: one that did
+    not would wait for the others at its next collective). Returns ``{"raised": 0/1}``."""
+    import jax
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxaccum
+    from testkit import tiny_lm_params
+
+    tx = jaxaccum.multi_steps(optax.sgd(1e-2), K, axis_name=AXIS, nonfinite="raise")
+    replicated, per_device = NamedSharding(mesh, P()), NamedSharding(mesh, P(AXIS))
+    nan = lambda x: jax.make_array_from_process_local_data(replicated, np.full_like(x, np.nan))
+    params = jax.tree.map(nan, tiny_lm_params())
+    state, step, as_global = _jit_step(mesh, tx, params)
+    with jax.set_mesh(mesh):
+        for m in range(K):
+            rows = jax.tree.map(lambda x, m=m: as_global(x[0, :, m]), local_windows)
+            batch = jax.tree.map(
+                lambda x: jax.make_array_from_process_local_data(per_device, x), rows
+            )
+            try:
+                params, state = jax.block_until_ready(step(params, state, batch))
+            except jax.errors.JaxRuntimeError as error:
+                return {"raised": np.array(int("nonfinite='raise'" in str(error)))}
+    return {"raised": np.array(0)}
+
+
+def live_state_refused(mesh) -> dict[str, np.ndarray]:
+    """Mode ``"restore_live"``: ``restore_state`` of the live state, whose window sums span
+    both processes' devices, is refused by name. Returns ``{"raised": 0/1}``."""
+    import optax
+
+    import jaxaccum
+    from testkit import tiny_lm_params
+
+    tx = jaxaccum.multi_steps(optax.sgd(1e-2), K, axis_name=AXIS)
+    state = _jit_step(mesh, tx, tiny_lm_params())[0]
+    try:
+        jaxaccum.restore_state(state, like=state)
+    except ValueError as error:
+        return {"raised": np.array(int("spans devices of other processes" in str(error)))}
+    return {"raised": np.array(0)}
+
+
 def _micro_step(tx):
     """The README's micro-step on the tiny LM (``value_and_grad`` over ``AXIS``)."""
     import optax
@@ -152,7 +199,12 @@ def main(argv: list[str]) -> None:
         # which slice of the global device axis this process feeds
         mine = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == process_id]
         windows = {name: value[:, mine] for name, value in scenario().items()}
-        out = train(mesh, windows, mode)
+        if mode == "jit_raise":
+            out = nonfinite_raises(mesh, windows)
+        elif mode == "restore_live":
+            out = live_state_refused(mesh)
+        else:
+            out = train(mesh, windows, mode)
         out["devices"] = np.asarray(mine)
         np.savez(out_path, **out)
     finally:
