@@ -55,3 +55,22 @@ def test_nnx_optimizer_with_multi_steps_equals_the_big_batch():
     assert int(jaxaccum.window_metrics(optimizer.opt_state).update_id) == 1
     # nnx.Optimizer.step counts micro-steps: the update id is the one to use
     assert int(optimizer.step[...]) == 2
+
+
+def test_a_teacher_in_eval_mode_passes_and_one_in_train_mode_is_refused():
+    # distillation: a module passed after params that draws nothing (eval) is data; one whose
+    # dropout would draw (train) would draw the same mask on every call, and is refused
+    student = Linear(nnx.Rngs(0))
+    teacher = nnx.Sequential(nnx.Linear(3, 1, rngs=nnx.Rngs(1)), nnx.Dropout(0.5, rngs=nnx.Rngs(2)))
+    x = jnp.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+
+    def loss(model, x, teacher):
+        return jnp.sum((model(x) - teacher(x)[:, 0]) ** 2), jnp.float32(x.shape[0])
+
+    grad_fn = jaxaccum.value_and_grad(loss)
+    with pytest.raises(TypeError, match="draws from RNG streams .Sequential"):
+        grad_fn(student, x, teacher)
+    teacher.eval()
+    (loss_sum, items), _ = grad_fn(student, x, teacher)
+    expected = jnp.sum((student(x) - teacher(x)[:, 0]) ** 2)  # the same float32 ops: bitwise
+    assert float(loss_sum) == float(expected) and float(items) == 2.0

@@ -53,8 +53,9 @@ def value_and_grad(
     every device is refused: a key ``loss_fn`` closes over, a raw ``uint32``
     key (``jax.random.PRNGKey``); under ``pmap`` such a key draws the same
     numbers on every device, so pass typed keys as arguments there. RNG
-    streams among ``args`` (an ``nnx.Rngs``, an ``nnx.RngStream``, a module
-    keeping one) are refused: keep them in the model. ``params`` may be a pytree or a
+    streams drawn from among ``args`` (an ``nnx.Rngs``, an ``nnx.RngStream``, a
+    module with an ``nnx.Dropout`` in train mode) are refused: keep them in the
+    model, or ``.eval()`` a module that should not draw. ``params`` may be a pytree or a
     ``flax.nnx.Module`` (then ``loss_fn`` takes the module, ``grads`` is the
     ``nnx.State`` of its ``nnx.Param``\\ s as ``nnx.value_and_grad`` gives it,
     and the module's other state is written back).
@@ -96,7 +97,7 @@ def value_and_grad(
     """
 
     def wrapped(params, *args, loss_scale: Any = None):
-        _no_nnx_rngs(args)
+        _no_rng_streams(args)
         batch_split(args, axis_name)
         nnx = nnx_of(params)
         if nnx is not None:
@@ -119,23 +120,37 @@ def nnx_of(params: Any) -> Any:
     return nnx if nnx is not None and isinstance(params, nnx.Module) else None
 
 
-def _no_nnx_rngs(args: tuple) -> None:
-    """Refuses RNG streams among the arguments after ``params`` (an ``nnx.Rngs``, an
-    ``nnx.RngStream``, a module holding one): their counts would not advance (every
-    micro-step would draw the same masks), or flax raises its ``TraceContextError``."""
+def _no_rng_streams(args: tuple) -> None:
+    """Refuses RNG streams drawn from among the arguments after ``params``: an ``nnx.Rngs``,
+    an ``nnx.RngStream``, a module with an ``nnx.Dropout`` in train mode (a teacher). Their
+    counts would not advance (every micro-step would draw the same masks), or flax raises
+    its ``TraceContextError``. A module in eval mode draws nothing and passes."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return
     for arg in jax.tree.leaves(args, is_leaf=nnx.graph.is_graph_node):
-        if nnx.graph.is_graph_node(arg) and len(jax.tree.leaves(nnx.state(arg, nnx.RngState))):
+        if _draws_from_streams(nnx, arg):
             raise TypeError(
-                "jaxaccum.value_and_grad: an argument after `params` holds RNG streams"
-                f" ({type(arg).__name__}: an nnx.Rngs, an nnx.RngStream, or a module that keeps"
-                " one); their counts would not advance, so every micro-step would draw the"
-                " same masks. Keep them in the model (nnx.Dropout(rate, rngs=rngs)), whose"
-                " streams are drawn per device and written back, or pass a typed key"
-                " (jax.random.key(seed))."
+                "jaxaccum.value_and_grad: an argument after `params` draws from RNG streams"
+                f" ({type(arg).__name__}: an nnx.Rngs, an nnx.RngStream, or a module with an"
+                " nnx.Dropout in train mode); their counts would not advance, so every"
+                " micro-step would draw the same masks. Keep them in the model"
+                " (nnx.Dropout(rate, rngs=rngs)), whose streams are drawn per device and"
+                " written back, call .eval() on a module that should not draw, or pass a"
+                " typed key (jax.random.key(seed))."
             )
+
+
+def _draws_from_streams(nnx: Any, arg: Any) -> bool:
+    """Whether ``arg`` is an RNG stream, or a module whose dropout would draw from one."""
+    if isinstance(arg, nnx.Rngs | nnx.RngStream):
+        return True
+    if not isinstance(arg, nnx.Module):
+        return False
+    return any(
+        isinstance(m, nnx.Dropout) and not m.deterministic and m.rate > 0 and m.rngs is not None
+        for _, m in nnx.iter_modules(arg)
+    )
 
 
 def _differentiate(objective, params, args, axis_name):

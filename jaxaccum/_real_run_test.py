@@ -164,6 +164,41 @@ def test_a_key_closed_over_and_folded_by_hand_draws_as_the_key_passed_in():
     assert np.max(np.abs(same - passed_in)) > 1e-2  # one mask on every device: other rows kept
 
 
+def test_lax_rng_bit_generator_from_a_shared_key_is_refused_too():
+    # not jax.random: lax's own generator, with a closed-over uint32 key, drew the same bits
+    # on every device unseen (the check read random_bits only)
+    def loss_fn(p, b):
+        _, bits = jax.lax.rng_bit_generator(jnp.zeros(4, jnp.uint32), b["x"].shape)
+        return regression_loss(p, {**b, "x": b["x"] * (bits % 2).astype(jnp.float32)})
+
+    with jax.set_mesh(jax.make_mesh((DEVICES,), ("data",))):
+        params, batch = jax.device_put(PARAMS, P()), jax.device_put(BATCH, P("data"))
+        with pytest.raises(ValueError, match="same on every device along \\['data'\\]"):
+            jax.jit(jaxaccum.value_and_grad(loss_fn, axis_name="data"))(params, batch)
+
+
+def test_in_your_shard_map_a_concrete_array_argument_stays_concrete():
+    # the draw check traces loss_fn with its traced arguments only: a concrete array used as
+    # a size (int(n)) worked before the check and still does (the same gradient, bitwise)
+    def loss(p, b, n):
+        return regression_loss(p, {k: v[: int(n)] for k, v in b.items()})
+
+    n = jnp.asarray(1)  # each device's first row
+    mesh = jax.make_mesh((DEVICES,), ("data",))
+    per_device = lambda p, b: jaxaccum.value_and_grad(loss, axis_name="data")(p, b, n)[1]["w"]
+    step = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))
+    with jax.set_mesh(mesh):
+        grads = jax.jit(step)(jax.device_put(PARAMS, P()), jax.device_put(BATCH, P("data")))
+    first_rows = {k: v[::2] for k, v in BATCH.items()}  # device r's rows: 2r, 2r + 1
+    expected = [
+        jax.grad(lambda p, b: regression_loss(p, b)[0])(
+            PARAMS, {k: v[r : r + 1] for k, v in first_rows.items()}
+        )["w"]
+        for r in range(DEVICES)
+    ]
+    np.testing.assert_array_equal(np.asarray(grads).reshape(DEVICES, 3, 2), np.stack(expected))
+
+
 def test_a_key_per_row_split_with_the_rows_draws_the_one_device_masks():
     def loss_fn(params, batch):
         keep = jax.vmap(lambda key: jax.random.bernoulli(key, 0.5, (3,)))(batch["key"])

@@ -1,8 +1,9 @@
 """`restore_state` and the window sums' rows: folded onto a new device count, checked.
 
 A window sum under ``axis_name`` holds one row per device. Onto fewer devices the
-saved rows fold (row ``i`` onto row ``i mod M``), so that no row holds more than
-a run on the new count would (a float16 row that held the whole window's sum
+saved rows fold (row ``i`` of ``N`` onto row ``i * M // N``: consecutive rows, as
+an ``M``-device run splits the batch), so that no row holds more than a run on
+the new count would (a float16 row that held the whole window's sum
 overflowed); onto as many or more devices they are copied as they are. A leading
 axis is read as device rows only where both states have rows, and the shape per
 row must be the target's: another model's state is refused, never summed up.
@@ -81,6 +82,18 @@ def test_float16_sums_fold_onto_fewer_devices_and_the_window_applies_as_there(sa
         np.testing.assert_array_equal(dp.one(resumed)[name], dp.one(uninterrupted)[name])
 
 
+def test_uneven_float16_rows_fold_as_the_fewer_devices_hold_them():
+    # a 4-device run's device j holds the rows of 8-device devices 2j and 2j + 1: rows
+    # [32768, 64, 64, 64] twice fold to [32832, 128, 32832, 128], exact in float16 (its
+    # spacing at 32768 is 32); rows i and i + 4 would add 32768 twice: 65536, inf
+    saved = saved_mid_window(8, F16_WINDOW[:1], accumulator_dtype=jnp.float16)
+    uneven = np.array([32768.0, 64, 64, 64] * 2, np.float16)
+    saved = saved._replace(grad_sum={**saved.grad_sum, "b": uneven})
+    _, like = make(4, accumulator_dtype=jnp.float16).init(params0())
+    restored = jaxaccum.restore_state(saved, like)
+    np.testing.assert_array_equal(np.asarray(restored.grad_sum["b"]), [32832, 128, 32832, 128])
+
+
 def test_float16_sums_that_no_new_row_can_hold_are_refused_never_restored_as_inf():
     # 8 -> 2: each new row would hold 4 saved rows, 80,000 > 65,504
     saved = saved_mid_window(8, F16_WINDOW[:2], accumulator_dtype=jnp.float16)
@@ -90,7 +103,7 @@ def test_float16_sums_that_no_new_row_can_hold_are_refused_never_restored_as_inf
 
 
 def test_rows_fold_in_float64_onto_fewer_devices_and_are_copied_onto_more():
-    # float32 rows: new row j is float32(float64 sum of saved rows j, j + M, ...), rounded
+    # float32 rows: new row j is float32(float64 sum of saved rows 2j, 2j + 1), rounded
     # once (compared bitwise with numpy's float64 sum in the same order); onto more
     # devices the saved rows come back bitwise, zeros after them
     rng = np.random.default_rng(5)
@@ -100,7 +113,7 @@ def test_rows_fold_in_float64_onto_fewer_devices_and_are_copied_onto_more():
     rows = np.asarray(saved.grad_sum["w"])
     _, like = make(4).init(params0())
     folded = np.asarray(jaxaccum.restore_state(saved, like).grad_sum["w"])
-    want = (rows[:4].astype(np.float64) + rows[4:].astype(np.float64)).astype(np.float32)
+    want = (rows[0::2].astype(np.float64) + rows[1::2].astype(np.float64)).astype(np.float32)
     np.testing.assert_array_equal(folded, want)
 
     saved = saved_mid_window(2, batches)
@@ -140,7 +153,7 @@ def test_a_jit_state_onto_a_pmap_state_is_refused_naming_like_as_pmap():
     dp = make(4, mode="pmap")
     _, like = dp.init(params0())
     with pytest.raises(
-        ValueError, match=r"window_step was saved as int32\[\].*`like` looks like a `pmap` state"
+        ValueError, match=r"window_step was saved as int32\[\].*or `like` is a `pmap` state"
     ):
         jaxaccum.restore_state(saved, like=like)
 

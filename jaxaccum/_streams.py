@@ -66,7 +66,9 @@ def draws_checked(fn: Callable[..., Any], axis_name: AxisName | None) -> Callabl
         if index is None or not batch_axes <= _sharding.varying_axes(index):
             return fn(*args)  # not per device, or JAX does not track what varies
         leaves, tree = jax.tree.flatten(args)
-        traced = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]  # others: as given
+        traced = [
+            i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)
+        ]  # others: as given
 
         def of_arrays(*arrays):
             filled = list(leaves)
@@ -83,27 +85,37 @@ def draws_checked(fn: Callable[..., Any], axis_name: AxisName | None) -> Callabl
     return checked
 
 
+# The primitives that draw random bits, and the positions of their key among their operands.
+DRAWS = {"random_bits": (0,), "rng_bit_generator": (0,), "threefry2x32": (0, 1)}
+
+
 def _refuse_shared_draws(jaxpr: Any, batch_axes: frozenset, axis_name: AxisName) -> None:
-    """Raises for a ``random_bits`` in ``jaxpr`` (or a jaxpr inside it) whose key does
+    """Raises for a draw (:data:`DRAWS`) in ``jaxpr`` (or a jaxpr inside it) whose key does
     not vary over ``batch_axes``."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "random_bits":
-            key = eqn.invars[0].aval
-            if not batch_axes <= _sharding.varying_axes(key):
-                raise ValueError(
-                    "jaxaccum.value_and_grad: loss_fn draws random numbers"
-                    f" ({eqn.outvars[0].aval.str_short()}) from a PRNG key that is the same on"
-                    " every device, so each device would draw the same mask where plain jit"
-                    " draws distinct rows. The typed keys among loss_fn's arguments are folded"
-                    " with the device's index; a key that loss_fn closes over (or keeps"
-                    " elsewhere) and a raw uint32 key (jax.random.PRNGKey) are not. Pass"
-                    " jax.random.key(seed) as an argument after params, or fold the key"
-                    f" yourself: jax.random.fold_in(key, jax.lax.axis_index({axis_name!r})). If"
-                    " the same numbers on every device are what you want, say so:"
-                    f" jax.lax.pcast(key, {axis_name!r}, to='varying')."
-                )
+        for position in DRAWS.get(eqn.primitive.name, ()):
+            missing = batch_axes - _sharding.varying_axes(eqn.invars[position].aval)
+            if missing:
+                raise ValueError(_shared_draw_message(eqn, sorted(missing), axis_name))
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             _refuse_shared_draws(sub, batch_axes, axis_name)
+
+
+def _shared_draw_message(eqn: Any, missing: list[str], axis_name: AxisName) -> str:
+    """What a draw from a key that is the same on the devices along ``missing`` means, and
+    the two fixes: one for numbers meant to differ from row to row, one for the same."""
+    return (
+        f"jaxaccum.value_and_grad: loss_fn draws random numbers"
+        f" ({eqn.outvars[0].aval.str_short()}) from a PRNG key that is the same on every device"
+        f" along {missing}. The typed keys among loss_fn's arguments are folded with the"
+        " device's index; a key that loss_fn closes over (or keeps elsewhere, or makes from a"
+        " constant seed) and a raw uint32 key (jax.random.PRNGKey) are not. If the numbers"
+        " should differ from row to row (dropout: under plain jit each row draws its own), pass"
+        " jax.random.key(seed) as an argument after params, or fold the key yourself:"
+        f" jax.random.fold_in(key, jax.lax.axis_index({axis_name!r})). If they should be the"
+        " same on every device (a fixed random projection, as plain jit draws it once), say so:"
+        f" jax.lax.pcast(key, {axis_name!r}, to='varying')."
+    )
 
 
 def _device_index(axis_name: AxisName | None) -> jax.Array | None:

@@ -65,7 +65,8 @@ def audit_hf_trainer(
     with the most items, ``k`` times: `bigbatch.warm_up_micro_batch`), after which a
     callback puts the parameters back (SGD keeps no state), then the audited
     window, the audit's layout of ``rows``, from the parameters the audit
-    differentiates at. A count kept from the first window shows in the report.
+    differentiates at. A count kept from the first window shows in the report
+    (unless every micro-batch holds as many items, where the two windows' agree).
     The Trainer must count each window's tokens itself (``num_items_in_batch``).
 
     The audit refuses another value of (a ``ValueError`` names it) what it sets:

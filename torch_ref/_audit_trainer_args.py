@@ -103,7 +103,6 @@ def _trainer_settings(
     _check_accelerator_config(training_args.get("accelerator_config"))
     _check_max_grad_norm(training_args.get("max_grad_norm", 0.0))
     settings = {**DEFAULTS, **training_args, **FORCED, **OVERRIDDEN}
-    settings.pop("output_dir", None)  # a temporary folder (`torch_ref._trainer_runs`)
     settings["gradient_accumulation_steps"] = k
     settings["per_device_train_batch_size"] = num_rows // (k * world_size)
     return settings

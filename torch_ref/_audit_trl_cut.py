@@ -8,6 +8,7 @@ cut is how ``GRPOConfig`` deals them to micro-batches, generations and ranks
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, NamedTuple
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -67,7 +68,7 @@ def check_cut(
             f" prompt groups), got GA={k!r}, R={ranks!r}"
         )
     spg = k if steps_per_generation is None else steps_per_generation
-    if not isinstance(spg, int) or isinstance(spg, bool) or spg not in (k, 2 * k):
+    if not isinstance(spg, numbers.Integral) or isinstance(spg, bool) or spg not in (k, 2 * k):
         raise ValueError(
             f"steps_per_generation: expected None, GA ({k}) or 2 GA ({2 * k}), got"
             f" {steps_per_generation!r}"
@@ -85,4 +86,4 @@ def check_cut(
         and epsilon_high > 0
     ):
         raise ValueError(f"epsilon_high: expected None or a number > 0, got {epsilon_high!r}")
-    return GRPOCut(loss_type, k, spg, ranks, float(entropy_coef), epsilon_high)
+    return GRPOCut(loss_type, k, int(spg), ranks, float(entropy_coef), epsilon_high)

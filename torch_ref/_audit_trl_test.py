@@ -118,6 +118,8 @@ def test_a_small_entropy_coefficient_keeps_its_weights_and_a_note(trl):
     )
     relative, _ = trl_prediction.predicted(small)
     np.testing.assert_allclose(small.weights[0], relative, rtol=1e-2)
+    # the formula's weights span 0.70-2.28 (predicted); at c = 1e-5 the fit's noise moves the
+    # low end a few percent (0.674 measured), so the note's range starts at 0.6
     assert tiny.invariant and "but its fit weighs rows 0.6" in str(tiny), tiny
 
 

@@ -15,8 +15,8 @@ Mid-window (micro-step 14: 2 of the 4 micro-batches of update 4) it saves the
 parameters and the optimizer state with Orbax (a window sum is an ordinary
 array with one row per device, ``[8, ...]`` sharded ``P("data", ...)``). A
 second run restores that checkpoint on a mesh of 4 devices
-(``jaxaccum.restore_state`` adds saved row ``i`` onto row ``i mod 4`` of the
-new 4-row layout) and trains to the end; it must end where the uninterrupted
+(``jaxaccum.restore_state`` adds saved rows ``2j`` and ``2j + 1`` onto row
+``j`` of the new 4-row layout) and trains to the end; it must end where the uninterrupted
 8-device run ends.
 
 Dropout that survives a change of device count. ``jaxaccum.value_and_grad``
@@ -191,7 +191,9 @@ def resume(s: Settings, path: pathlib.Path, devices: int = RESUME_DEVICES):
         bf16 = jax.tree.map(lambda x: np.asarray(x).astype(jnp.bfloat16), saved["params"])
         params = jax.device_put(bf16, P())  # replicated on the new mesh
         like = new_tx(s).init(params)  # the new layout: window sums [devices, ...]
-        opt_state = jaxaccum.restore_state(saved["opt_state"], like=like)  # row i onto row i mod 4
+        opt_state = jaxaccum.restore_state(
+            saved["opt_state"], like=like
+        )  # rows 2j, 2j + 1 onto row j
     return mesh, params, opt_state
 
 

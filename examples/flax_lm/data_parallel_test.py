@@ -67,7 +67,7 @@ def test_the_resumed_window_records_match(result):
         assert not bool(got.skipped)
 
 
-def test_the_checkpoint_holds_one_row_per_device_and_resumes_them_summed(result):
+def test_the_checkpoint_holds_one_row_per_device_and_resumes_them_folded(result):
     with ocp.StandardCheckpointer() as checkpointer:
         saved = checkpointer.restore(result["checkpoint"].absolute())["opt_state"]
     assert int(saved["micro_step"]) == S.checkpoint_after == 14
@@ -85,9 +85,9 @@ def test_the_checkpoint_holds_one_row_per_device_and_resumes_them_summed(result)
     assert resumed.shape == (dp.RESUME_DEVICES, 256, 64)
     assert resumed.sharding.spec == P("data", None, None) and resumed.sharding.mesh == mesh
     resumed = np.asarray(resumed)
-    # saved row i folds onto new row i mod 4, added in float64 and rounded once to float32:
-    # two float32 values add exactly in float64, so numpy's sum of the pairs is the same bits
-    pairs = np.asarray(rows, np.float64).reshape(2, dp.RESUME_DEVICES, 256, 64).sum(0)
+    # saved rows 2j and 2j + 1 fold onto new row j, added in float64 and rounded once to
+    # float32: two float32 values add exactly in float64, so numpy's sum is the same bits
+    pairs = np.asarray(rows, np.float64).reshape(dp.RESUME_DEVICES, 2, 256, 64).sum(1)
     np.testing.assert_array_equal(resumed, pairs.astype(np.float32))
     assert float(np.asarray(state.num_items).sum()) == float(per_device.sum())
 
