@@ -51,13 +51,14 @@ def draws_checked(fn: Callable[..., Any], axis_name: AxisName | None) -> Callabl
     """``fn``, refusing a random draw from a key that is the same on every device.
 
     Where ``fn`` runs per device and JAX tracks what varies over the devices
-    (``jit`` on a mesh, ``shard_map``), ``fn`` is traced once to a jaxpr, its
-    ``random_bits`` are checked, and the jaxpr is evaluated in its place (no
-    second trace of the model). A key that ``loss_fn`` closes over, or keeps
-    anywhere but its arguments, and a raw ``uint32`` key are not folded by
-    :func:`own_streams`: every device would draw the same dropout mask, where
-    plain ``jit`` draws distinct rows. Elsewhere (one device, GSPMD, ``pmap``, ``shard_map``
-    without vma checking) ``fn`` is returned as it is.
+    (``jit`` on a mesh, ``shard_map``), ``fn`` is traced once to a jaxpr (its
+    traced arguments as inputs, the others as given), its draws (:data:`DRAWS`)
+    are checked, and the jaxpr is evaluated in its place (no second trace of the
+    model). A key that ``loss_fn`` closes over, or keeps anywhere but its
+    arguments, and a raw ``uint32`` key are not folded by :func:`own_streams`:
+    every device would draw the same dropout mask, where plain ``jit`` draws
+    distinct rows. Elsewhere (one device, GSPMD, ``pmap``, ``shard_map`` without
+    vma checking) ``fn`` is returned as it is.
     """
 
     def checked(*args: Any) -> Any:
@@ -66,9 +67,7 @@ def draws_checked(fn: Callable[..., Any], axis_name: AxisName | None) -> Callabl
         if index is None or not batch_axes <= _sharding.varying_axes(index):
             return fn(*args)  # not per device, or JAX does not track what varies
         leaves, tree = jax.tree.flatten(args)
-        traced = [
-            i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)
-        ]  # others: as given
+        traced = [i for i, x in enumerate(leaves) if isinstance(x, jax.core.Tracer)]
 
         def of_arrays(*arrays):
             filled = list(leaves)
