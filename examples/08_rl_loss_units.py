@@ -136,6 +136,34 @@ def trl_bnpo_of(layout: tuple[int, int], token_loss: np.ndarray, mask: np.ndarra
     return float(np.mean([l64[i].sum() / max(1, n_tokens[i].sum()) for i in rows]))
 
 
+def check_layouts(
+    results: dict[tuple[int, int], dict[str, tuple[float, float]]],
+    expected: dict[str, float],
+    token_loss: np.ndarray,
+    mask: np.ndarray,
+) -> None:
+    """Prints each loss type's value under every layout and asserts it is the one-batch one."""
+    for loss_type in (*LOSS_TYPES, TRL_BNPO):
+        values = [results[layout][loss_type][0] for layout in LAYOUTS]
+        spread = max(values) - min(values)
+        name = "trl_bnpo" if loss_type == TRL_BNPO else loss_type
+        HEADLINE[f"{name}_spread"] = f"{spread:.4f}"
+        for (r, k), v in zip(LAYOUTS, values, strict=True):
+            HEADLINE[f"{name}_R{r}_k{k}"] = f"{v:.4f}"
+        print(
+            f"{loss_type:>10} | " + " | ".join(f"{v:>8.4f}" for v in values) + f" | {spread:>8.4f}"
+        )
+        for layout in LAYOUTS:
+            loss, grad = results[layout][loss_type]
+            # float32 sums of a few hundred tokens: 1e-5 relative between the loss and its gradient
+            assert abs(grad - loss) <= 1e-5 * max(1.0, abs(loss)), (loss_type, layout)
+            # jaxaccum: the one-batch objective whatever the layout; TRL's bnpo: the mean of
+            # the layout's local means (float32 vs float64 sums: 1e-5)
+            want = trl_bnpo_of(layout, token_loss, mask) if loss_type == TRL_BNPO else None
+            want = expected[loss_type] if want is None else want
+            assert abs(loss - want) <= 1e-5 * max(1.0, abs(loss)), (loss_type, layout)
+
+
 def main() -> int:
     use_cpu_devices(max(r for r, _ in LAYOUTS))
     token_loss, mask = window()
@@ -160,25 +188,7 @@ def main() -> int:
         + " | ".join(f"R={r} k={k}".rjust(8) for r, k in LAYOUTS)
         + f" | {'spread':>8}"
     )
-    for loss_type in (*LOSS_TYPES, TRL_BNPO):
-        values = [results[layout][loss_type][0] for layout in LAYOUTS]
-        spread = max(values) - min(values)
-        name = "trl_bnpo" if loss_type == TRL_BNPO else loss_type
-        HEADLINE[f"{name}_spread"] = f"{spread:.4f}"
-        for (r, k), v in zip(LAYOUTS, values, strict=True):
-            HEADLINE[f"{name}_R{r}_k{k}"] = f"{v:.4f}"
-        print(
-            f"{loss_type:>10} | " + " | ".join(f"{v:>8.4f}" for v in values) + f" | {spread:>8.4f}"
-        )
-        for layout in LAYOUTS:
-            loss, grad = results[layout][loss_type]
-            # float32 sums of a few hundred tokens: 1e-5 relative between the loss and its gradient
-            assert abs(grad - loss) <= 1e-5 * max(1.0, abs(loss)), (loss_type, layout)
-            # jaxaccum: the one-batch objective whatever the layout; TRL's bnpo: the mean of
-            # the layout's local means (float32 vs float64 sums: 1e-5)
-            want = trl_bnpo_of(layout, token_loss, mask) if loss_type == TRL_BNPO else None
-            want = expected[loss_type] if want is None else want
-            assert abs(loss - want) <= 1e-5 * max(1.0, abs(loss)), (loss_type, layout)
+    check_layouts(results, expected, token_loss, mask)
     trl_bnpo = [results[layout][TRL_BNPO][0] for layout in LAYOUTS]
     assert max(trl_bnpo) - min(trl_bnpo) > 0.5  # a layout-dependent objective, far above rounding
     # one micro-batch: TRL's bnpo is dapo; one sequence per micro-batch: grpo (float32: 1e-5)
