@@ -79,13 +79,15 @@ def sampled_rounding(old: Sequence, eps: Sequence[float]) -> float:
     return math.sqrt(sum(terms))
 
 
-def check_proportional(scaled: list, change: list, rounding: float, carried: str) -> None:
+def check_proportional(
+    scaled: list, change: list, rounding: float, carried: str, random: str
+) -> None:
     """Refuses a loop whose change at ``LR_SCALE`` x the learning rate (``scaled``, the first
     run) is not ``LR_SCALE`` x its change at the learning rate (``change``, the second).
 
     Both are `sampled_change`\\ s of the same parameters; ``rounding`` is their
-    `sampled_rounding`; ``carried`` says what such a loop may carry over, in the
-    framework's words.
+    `sampled_rounding`; ``carried`` says what such a loop may carry over, and
+    ``random`` how it may draw other random numbers in each run, in the framework's words.
     """
     gaps = [s / LR_SCALE - c for s, c in zip(scaled, change, strict=True)]
     gap, moved = math.sqrt(dot(gaps, gaps)), math.sqrt(dot(change, change))
@@ -98,6 +100,6 @@ def check_proportional(scaled: list, change: list, rounding: float, carried: str
         f" its update over {LR_SCALE} differs from the update at the learning rate by"
         f" {gap / moved:.1e} of it (at most {allowed / moved:.1e} for one step per window)."
         f" It carries something over from the update before ({carried}), steps more than"
-        " once per window (an optimizer step per micro-batch), or does not use the optimizer"
-        " the audit passes it."
+        " once per window (an optimizer step per micro-batch), does not use the optimizer"
+        f" the audit passes it, or draws other random numbers in each run ({random})."
     )

@@ -61,8 +61,10 @@ def unknown_because(report: AuditReport) -> str:
     closest = min(report.form_errors, key=report.form_errors.get)
     return (
         f"a reweighting, but of no known form (closest: {closest}, off by"
-        f" {report.form_errors[closest]:.1%}): e.g. each device's micro-batch clipped by its"
-        " own norm, or a loss other than the reference one"
+        f" {report.form_errors[closest]:.1%}): e.g. a clip inside the micro-batch loop"
+        " (clip_grad_norm_, optax.clip_by_global_norm before the accumulation: it clips the"
+        " running sum, so the earlier micro-batches weigh less), each device's micro-batch"
+        " clipped by its own norm, or a loss other than the reference one"
     )
 
 

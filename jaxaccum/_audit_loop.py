@@ -60,7 +60,8 @@ def _update(
     rounding = bigbatch.sampled_rounding(reference, eps)
     carried = "a gradient sum or a buffer kept between windows, a schedule's count"
     sampled = [bigbatch.sample(d) for d in change]
-    bigbatch.check_proportional(scaled, sampled, rounding, carried)
+    random = "a key split from one kept between calls, NumPy's global generator"
+    bigbatch.check_proportional(scaled, sampled, rounding, carried, random)
     return change
 
 

@@ -102,9 +102,9 @@ def _check_repeatable(scaled: list[np.ndarray], new: list[np.ndarray], old: list
         "gradients it does not zero: call optimizer.zero_grad() after optimizer.step(), or"
         " before the window's first backward; a learning-rate scheduler kept across windows"
     )
-    bigbatch.check_proportional(
-        scaled, change, bigbatch.sampled_rounding(_numpy(old), eps), carried
-    )
+    random = "dropout in train mode, functional dropout included: model.train() turns it on"
+    rounding = bigbatch.sampled_rounding(_numpy(old), eps)
+    bigbatch.check_proportional(scaled, change, rounding, carried, random)
 
 
 def _window_here(

@@ -144,11 +144,7 @@ def _rank_runs(
     rank: int, world_size: int, model: nn.Module, runs: list[TrainerRun]
 ) -> list[tuple[RankParameters, list]]:
     """One rank: each run on its own copy of ``model``; (rank 0's parameters, the records)."""
-    if world_size > 1:  # accelerate reads the rank from the environment; the group exists
-        os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size),
-        )  # fmt: skip
+    if world_size > 1:  # ddp.run set torchrun's RANK, WORLD_SIZE, ...: accelerate reads them
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # else accelerate warns and sets it
     results = []
     for run in runs:

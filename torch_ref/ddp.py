@@ -22,7 +22,8 @@ Python stack) and the last `STDERR_LINES` lines of every rank's stderr.
 
 The standard launcher is torchrun (``python -m torch.distributed.run
 --nproc_per_node=R -m <your module>``): the same ranks, from the environment
-(``current_device`` reads ``TORCH_REF_DEVICE`` there).
+(``current_device`` reads ``TORCH_REF_DEVICE`` there); a rank of `run` has
+torchrun's ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE`` and ``LOCAL_WORLD_SIZE`` too.
 
 `one_cpu_thread` runs a block on one intra-op thread (tiny models on small hosts).
 
@@ -219,6 +220,9 @@ def _rank_main(
     faulthandler.enable(file=stderr)  # a crash prints every thread's Python stack
     faulthandler.register(_DUMP_STACKS, file=stderr)
     os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), TORCH_REF_DEVICE=device)
+    # and torchrun's: accelerate and transformers read the rank there, not in the group
+    ranks = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=world_size, LOCAL_WORLD_SIZE=world_size)
+    os.environ.update({name: str(value) for name, value in ranks.items()})
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)  # R ranks share the host's cores
     if device == "cuda":
