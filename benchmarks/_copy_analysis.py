@@ -131,7 +131,7 @@ def _not_donated_writes(at_k: list[dict]) -> list[str]:
 
 # Per-window copies (MLP 10 x 1000x1000, AdamW, k = 4; in P) and CPU-time ratios of earlier
 # versions, measured by this benchmark on the dates given (docs/benchmarks.md of those days; the
-# prototype of 2026-12-03, not kept: `_once_if` computed its body and selected; 7 rounds).
+# prototype of 2026-12-03, not kept: `once_if` computed its body and selected; 7 rounds).
 HISTORY_MODEL, HISTORY_K = "MLP (10 x 1000x1000, 10.00M params)", 4
 HISTORY = {
     "jaxaccum 0.1 (one while loop, select over the inner state), 2026-11-30":

@@ -86,7 +86,7 @@ def programs(model: Model, global_rows: int, k: int) -> dict:
 @contextlib.contextmanager
 def boundary_as(kind: str) -> Iterator[None]:
     """An experiment, while a step is traced: jaxaccum's zero-or-one-trip ``while`` loops
-    (``_once_if``: the window's close, the inner step) as a ``select`` (the body on every
+    (``once_if``: the window's close, the inner step) as a ``select`` (the body on every
     call, as optax.MultiSteps does) or a ``cond``. XLA:GPU reads a loop's condition back to
     the host; which form keeps a GPU busy is what this measures (docs/parity-gpu.md). The
     numbers are the loop's, up to float32 rounding (bench_test)."""
@@ -98,11 +98,11 @@ def boundary_as(kind: str) -> Iterator[None]:
     def cond(pred, body, *carry):
         return jax.lax.cond(pred, lambda c: tuple(body(*c)), lambda c: c, carry)
 
-    loop, _multi_steps._once_if = _multi_steps._once_if, {"select": select, "cond": cond}[kind]
+    loop, _multi_steps.once_if = _multi_steps.once_if, {"select": select, "cond": cond}[kind]
     try:
         yield
     finally:
-        _multi_steps._once_if = loop
+        _multi_steps.once_if = loop
 
 
 def dispatched(variant: micro_step.Variant):

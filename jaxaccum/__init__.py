@@ -8,6 +8,7 @@ divide once. The math is in ``docs/math.md`` and ``jaxaccum/_normalize.py``.
 from jaxaccum import audit, losses
 from jaxaccum._accumulate import accumulate_gradients
 from jaxaccum._grad import value_and_grad
+from jaxaccum._inner import WINDOW_LOSS
 from jaxaccum._inspect import WindowLog, has_updated, loss_scale, window_metrics
 from jaxaccum._loss_scale import DynamicLossScale
 from jaxaccum._multi_steps import multi_steps
@@ -17,6 +18,7 @@ from jaxaccum._restore import restore_state
 from jaxaccum._state import MultiStepsState, SkipReason, WindowMetrics
 
 __all__ = [
+    "WINDOW_LOSS",
     "DynamicLossScale",
     "MultiStepsState",
     "SkipReason",

@@ -31,8 +31,12 @@ GRADS = {"w": jnp.ones(2)}
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "bad-inputs.md"
 
 
-def sgd(k=2, **kwargs):
-    return jaxaccum.multi_steps(optax.sgd(1.0), k, **kwargs)
+def sgd(k=2, inner=None, **kwargs):
+    """``multi_steps`` of ``inner`` (SGD at 1.0 by default); with ``inner``: its ``init`` too."""
+    tx = jaxaccum.multi_steps(inner or optax.sgd(1.0), k, **kwargs)
+    if inner is not None:
+        tx.init(PARAMS)
+    return tx
 
 
 def update(tx=None, grads=GRADS, state=None, params=PARAMS, **kwargs):
@@ -371,6 +375,13 @@ RAISES = [
     ),
     ("loss_sum_vector", lambda: update(num_items=1.0, loss_sum=jnp.ones(2)), ValueError),
     ("end_window_str", lambda: update(num_items=1.0, end_window="no"), TypeError),
+    ("value_of_a_micro_batch", lambda: update(num_items=2.0, value=jnp.array(0.5)), TypeError),
+    ("grad_fn_to_the_inner", lambda: update(num_items=2.0, grad_fn=lambda p, b: p), TypeError),
+    (
+        "inner_optax_multi_steps",
+        lambda: sgd(inner=optax.MultiSteps(optax.sgd(1.0), 2).gradient_transformation()),
+        TypeError,
+    ),
     (
         "state_of_another_optimizer",
         lambda: update(state=optax.adam(1.0).init(PARAMS), num_items=1.0),

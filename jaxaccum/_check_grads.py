@@ -104,16 +104,27 @@ def block_norms_visible(axis_name: AxisName) -> None:
         )
 
 
-def same_on_every_device(end_window: Any, axis_name: AxisName) -> None:
+def same_on_every_device(value: Any, name: str, axis_name: AxisName) -> None:
     """Per device: ``end_window`` closes every device's window or none (a device that
-    closes alone would wait for the others in the window's reduction)."""
-    varying = frozenset(_sharding.axes(axis_name)) & _sharding.varying_axes(end_window)
+    closes alone would wait for the others in the window's reduction); an extra argument
+    reaches the inner update that every device runs on the same window gradient."""
+    varying = frozenset()
+    for leaf in jax.tree.leaves(value):
+        if isinstance(leaf, jax.Array):
+            varying |= frozenset(_sharding.axes(axis_name)) & _sharding.varying_axes(leaf)
     if varying and _vma_checked(axis_name):
+        why, fix = (
+            ("a window closes on every device at once (its gradients are reduced over them)",
+             "a Python bool, or a value that does not vary over the axis (jax.lax.pmax of the"
+             " devices' flags, say)")
+            if name == "end_window"
+            else ("the inner update of the window runs on every device, which keeps the"
+                  " parameters the same", "a Python value, or one that does not vary over the"
+                  " axis (jax.lax.pmean of the devices' values, say)")
+        )  # fmt: skip
         raise ValueError(
-            f"multi_steps.update: `end_window` varies over {sorted(varying)}: a window closes"
-            " on every device at once (its gradients are reduced over them). Pass the same"
-            " value on every device: a Python bool, or a value that does not vary over the"
-            " axis (jax.lax.pmax of the devices' flags, say)."
+            f"multi_steps.update: `{name}` varies over {sorted(varying)}: {why}. Pass the"
+            f" same value on every device: {fix}."
         )
 
 

@@ -19,9 +19,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxaccum import _check_grads
 from jaxaccum._check_values import describe, scalar
+from jaxaccum._inner import WINDOW_LOSS
 from jaxaccum._sharding import AxisName, Placement
 from jaxaccum._state import MultiStepsState
 
@@ -130,7 +132,7 @@ def num_items(value: Any) -> None:
 
 
 def update_call(
-    grads_value, state, num_items_value, loss_sum, end_window, extra_args, placement, axis_name
+    grads_value, state, num_items_value, loss_sum, end_window, extra_args, axis_name, placement
 ) -> None:
     """Refuses a bad call before anything is computed: the state is never touched."""
     where = "multi_steps.update"
@@ -145,6 +147,7 @@ def update_call(
             " `count` is a step counter); pass num_items=..."
         )
     num_items(num_items_value)
+    inner_extra_args(extra_args, loss_sum)
     if loss_sum is not None:
         scalar(loss_sum, "loss_sum", where=where, kind="real", expected="a real number")
     scalar(end_window, "end_window", where=where, kind="bool", expected="a bool scalar")
@@ -158,12 +161,57 @@ def update_call(
         _check_grads.axis_bound(axis_name)
         _check_grads.block_norms_visible(axis_name)
         _check_grads.grads_not_summed(grads_value, axis_name)
-        _check_grads.same_on_every_device(end_window, axis_name)
+        for name, value in {"end_window": end_window, **extra_args}.items():
+            _check_grads.same_on_every_device(value, name, axis_name)
     elif placement is Placement.EXPLICIT:
         _check_grads.sums_in_rows(state, grads_value, axis_name)
         _check_grads.grads_join_without_collective(grads_value, state.grad_sum, axis_name)
     else:
         _check_grads.grads_reduced(grads_value)
+
+
+def inner_extra_args(extra_args: dict, loss_sum: Any) -> None:
+    """``update``'s extra arguments reach the inner optimizer once, at the boundary: none may
+    stand for one micro-batch (its loss, its gradient, a function of its rows)."""
+    where = "multi_steps.update"
+    value = extra_args.get("value", WINDOW_LOSS)
+    if value is not WINDOW_LOSS:
+        raise TypeError(
+            f"{where}: `value` reaches the inner optimizer once per window, where one"
+            " micro-batch's loss is not the window's: pass value=jaxaccum.WINDOW_LOSS, and"
+            " the inner gets the window's mean loss (its loss_sum over its num_items, over"
+            " every device), as in the big batch."
+        )
+    if "value" in extra_args and loss_sum is None:
+        raise TypeError(f"{where}: value=jaxaccum.WINDOW_LOSS needs loss_sum= on every call.")
+    for name in ("grad", "value_fn"):
+        if name in extra_args:
+            raise TypeError(
+                f"{where}: `{name}` is for an inner optimizer with a line search (optax.lbfgs),"
+                " which evaluates the objective at the parameters: a micro-batch's is not the"
+                " window's. Run such an optimizer on the whole batch, without multi_steps."
+            )
+    for name, value in extra_args.items():
+        if any(callable(leaf) for leaf in jax.tree.leaves(value)):
+            raise TypeError(
+                f"{where}: extra argument `{name}` holds a function: the inner optimizer would"
+                " call it at the boundary on one micro-batch's rows, not the window's"
+                " (optax.contrib.sam's grad_fn, sophia's obj_fn). Pass arrays and constants."
+            )
+
+
+def not_accumulating(inner_state: Any) -> Any:
+    """Refuses an inner optimizer that accumulates too; returns its state."""
+    accumulating = (optax.MultiStepsState, MultiStepsState)
+    nodes = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, accumulating))
+    if any(isinstance(x, accumulating) for x in nodes):
+        raise TypeError(
+            "multi_steps: `inner` accumulates micro-batches itself (optax.MultiSteps or"
+            " jaxaccum.multi_steps inside it): its window would take the mean of this"
+            " window's means. Pass the optimizer it wraps as `inner`, and give multi_steps"
+            " the micro-batches of the whole window (every_k_schedule)."
+        )
+    return inner_state
 
 
 def raise_if_nonfinite(overflow, micro_step, loss, grad_norm) -> None:

@@ -3,7 +3,7 @@
 The inner optimizer is the user's code (optax's, most often): it runs under
 JAX's standard promotion rules (:func:`standard_promotion`), once per applied
 window (:meth:`InnerCall.step`), with the extra arguments of the call that
-closed the window.
+closed the window; ``value=WINDOW_LOSS`` there is the window's mean loss.
 """
 
 from __future__ import annotations
@@ -45,6 +45,20 @@ def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransf
     return optax.GradientTransformationExtraArgs(under_standard(tx.init), under_standard(tx.update))
 
 
+class _WindowLoss:
+    """The type of `WINDOW_LOSS`: one instance, its name as its repr."""
+
+    def __repr__(self) -> str:
+        return "jaxaccum.WINDOW_LOSS"
+
+
+WINDOW_LOSS = _WindowLoss()
+"""``update(..., value=jaxaccum.WINDOW_LOSS)``: the inner optimizer's ``value`` (the
+objective's value, which ``optax.contrib.reduce_on_plateau``, ``optax.polyak_sgd`` and
+``optax.contrib.momo`` read) is the window's mean loss, the big batch's: the window's
+``loss_sum`` over its ``num_items``, added over every device, at the boundary."""
+
+
 @dataclasses.dataclass(frozen=True)
 class InnerCall:
     """One call's inner optimizer: its constant extra arguments, the gradients' types.
@@ -54,20 +68,35 @@ class InnerCall:
       static: the extra arguments that are not arrays (constants of the program).
       grad_types: ``ShapeDtypeStruct`` of each gradient leaf of this call: the
         window gradient reaches ``tx`` in these dtypes.
+      reads_window_loss: ``value=WINDOW_LOSS`` was passed (a zero of the loss's dtype
+        holds its place in ``dynamic`` until the boundary, `window_args`).
     """
 
     tx: optax.GradientTransformationExtraArgs
     static: dict
     grad_types: Any
+    reads_window_loss: bool = False
 
     @classmethod
-    def for_call(cls, tx, extra_args: dict, grads: Any) -> tuple[InnerCall, dict]:
+    def for_call(cls, tx, extra_args: dict, grads: Any, loss_dtype: Any) -> tuple[InnerCall, dict]:
         """The call, and the arrays among the extra arguments (they travel in the loop
         carry; the rest are constants)."""
+        reads_window_loss = extra_args.get("value") is WINDOW_LOSS
+        if reads_window_loss:
+            extra_args = {**extra_args, "value": jnp.zeros((), loss_dtype)}
         dynamic = {name: v for name, v in extra_args.items() if isinstance(v, jax.Array)}
         static = {name: v for name, v in extra_args.items() if name not in dynamic}
         grad_types = jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g), g.dtype), grads)
-        return cls(tx, static, grad_types), dynamic
+        return cls(tx, static, grad_types, reads_window_loss), dynamic
+
+    def window_args(self, dynamic: dict, loss: jax.Array, loss_known: jax.Array) -> tuple:
+        """``(window loss, the extra arguments of the window's inner update)``: ``value`` is
+        the window's loss where ``value=WINDOW_LOSS`` was passed. A window with a call
+        that gave no ``loss_sum`` then has a NaN loss (it is skipped), not a partial one."""
+        if not self.reads_window_loss:
+            return loss, dynamic
+        loss = jnp.where(loss_known, loss, jnp.nan)
+        return loss, {**dynamic, "value": loss}
 
     def update(self, window_grads: Any, inner_state: Any, params: Any, dynamic: dict) -> tuple:
         """``tx.update`` with this call's extra arguments."""
@@ -108,3 +137,17 @@ def step_carry(slot: Any, inner_state: Any, window_grads: Any, params: Any, dyna
     if same_tree and all(jax.typeof(g) == jax.typeof(u) for g, u in leaves):
         return window_grads, inner_state, None, params, dynamic
     return slot, inner_state, window_grads, params, dynamic
+
+
+def once_if(pred: jax.Array, body: Callable[..., tuple], *carry: Any) -> tuple:
+    """``body(*carry)`` if ``pred`` else ``carry``: a while loop of zero or one trip.
+
+    XLA keeps a while loop's carry in place: when it does not run, the carried
+    buffers (the inner state, the sums) are neither copied nor touched, where a
+    ``cond`` copies them into its result. The body reads nothing but its carry,
+    so nothing can be hoisted out of it and run on every call.
+    """
+    _, carry = jax.lax.while_loop(
+        lambda loop: loop[0], lambda loop: (jnp.zeros((), jnp.bool_), body(*loop[1])), (pred, carry)
+    )
+    return carry

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxaccum import _checks, _sharding
-from jaxaccum._inner import InnerCall, standard_promotion, step_carry
+from jaxaccum._inner import InnerCall, once_if, standard_promotion, step_carry
 from jaxaccum._loss_scale import DynamicLossScale, next_loss_scale
 from jaxaccum._normalize import WindowTotals, clip_by_global_norm, normalize_window
 from jaxaccum._state import MultiStepsState, closed_window, first_record, items_dtype_for
@@ -78,7 +78,11 @@ def multi_steps(
       takes the gradients of the local SUMMED loss, the items it adds up (valid
       tokens, samples, or a non-negative weight), the summed loss (for the record)
       and a bool, the same on every device, that closes a short window now;
-      ``extra_args`` reach ``inner.update``. Its updates have ``inner``'s dtypes.
+      ``extra_args`` reach ``inner.update`` at the boundary (the closing call's, the
+      same on every device): ``value=jaxaccum.WINDOW_LOSS`` hands it the window's
+      mean loss (``reduce_on_plateau``, ``polyak_sgd``); a micro-batch's own
+      ``value``, ``grad``, ``value_fn`` or a function are refused. Its updates
+      have ``inner``'s dtypes; an ``inner`` that accumulates too is refused.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxaccum
@@ -122,15 +126,16 @@ def multi_steps(
         end_window: Any = False,
         **extra_args: Any,
     ) -> tuple[Any, MultiStepsState]:
-        call = (grads, state, num_items, loss_sum, end_window, extra_args)
-        _checks.update_call(*call, settings.placement, settings.axis_name)
+        _checks.update_call(
+            grads, state, num_items, loss_sum, end_window, extra_args, *settings.route
+        )
         grads = jax.tree.map(jnp.asarray, grads)  # Python float leaves are accepted
         state, close = _add_to_window(settings, state, grads, num_items, loss_sum, end_window)
-        inner, dynamic = InnerCall.for_call(settings.inner, extra_args, grads)
+        inner, dynamic = InnerCall.for_call(settings.inner, extra_args, grads, state.loss_sum.dtype)
         update_types = inner.update_types(state.inner_state, params, dynamic)
         slot = _sharding.updates_slot(grads, state.grad_sum, update_types, *settings.route)
         close_window = functools.partial(_close_window, settings, inner)
-        slot, state, *_ = _once_if(close, close_window, slot, state, params, dynamic)
+        slot, state, *_ = once_if(close, close_window, slot, state, params, dynamic)
         # zeros unless this call applied an update: a select, as a skipped slot may hold NaN
         updates = jax.tree.map(lambda u: jnp.where(state.applied, u, 0).astype(u.dtype), slot)
         return updates, state
@@ -183,7 +188,7 @@ def _init(settings: _Settings, params: Any) -> MultiStepsState:
         good_windows=zero(jnp.int32),
         loss_known=jnp.ones((), jnp.bool_),
         applied=zero(jnp.bool_),
-        inner_state=settings.inner.init(params),
+        inner_state=_checks.not_accumulating(settings.inner.init(params)),
         **sums,
         last_window=_sharding.replicated(first, settings.placement),
     )
@@ -224,15 +229,16 @@ def _close_window(settings, inner, slot, state, params, dynamic):
         totals.grads, totals.grad_norm, settings.max_grad_norm
     )
     nonempty = totals.window_items > 0
-    bad_loss = nonempty & ~jnp.isfinite(totals.loss)  # a call without loss_sum adds 0
+    window_loss, window_args = inner.window_args(dynamic, totals.loss, state.loss_known)
+    bad_loss = nonempty & ~jnp.isfinite(window_loss)  # a call without loss_sum adds 0
     finite = jnp.isfinite(totals.grad_norm) & jnp.isfinite(totals.window_items) & ~bad_loss
     apply = finite & nonempty
     if settings.nonfinite == "raise":
         fail = (~finite, state.micro_step, totals.loss, totals.grad_norm)
         jax.debug.callback(_checks.raise_if_nonfinite, *fail, partitioned=True)  # every host
     window_grads = jax.tree.map(lambda g, t: g.astype(t.dtype), window_grads, inner.grad_types)
-    carry = step_carry(slot, state.inner_state, window_grads, params, dynamic)
-    slot, inner_state, *_ = _once_if(apply, inner.step, *carry)
+    carry = step_carry(slot, state.inner_state, window_grads, params, window_args)
+    slot, inner_state, *_ = once_if(apply, inner.step, *carry)
     scale, good_windows = next_loss_scale(
         settings.loss_scaling,
         state.last_window.loss_scale,
@@ -284,17 +290,3 @@ def _window_totals(settings, state, grad_types) -> WindowTotals:
         loss_scale=state.last_window.loss_scale,
         global_norm=_sharding.global_norm,
     )
-
-
-def _once_if(pred: jax.Array, body: Callable[..., tuple], *carry: Any) -> tuple:
-    """``body(*carry)`` if ``pred`` else ``carry``: a while loop of zero or one trip.
-
-    XLA keeps a while loop's carry in place: when it does not run, the carried
-    buffers (the inner state, the sums) are neither copied nor touched, where a
-    ``cond`` copies them into its result. The body reads nothing but its carry,
-    so nothing can be hoisted out of it and run on every call.
-    """
-    _, carry = jax.lax.while_loop(
-        lambda loop: loop[0], lambda loop: (jnp.zeros((), jnp.bool_), body(*loop[1])), (pred, carry)
-    )
-    return carry
