@@ -369,6 +369,11 @@ RAISES = [
         TypeError,
     ),
     (
+        "grads_float0_of_an_int_param",
+        lambda: update(grads={"w": np.zeros(2, jax.dtypes.float0)}, num_items=1.0),
+        TypeError,
+    ),
+    (
         "grads_complex_dtype",
         lambda: update(grads={"w": jnp.ones(2, jnp.complex64)}, num_items=1.0),
         TypeError,

@@ -60,9 +60,20 @@ def match_state(grads: Any, grad_sum: Any, *, per_device: bool, rows: bool = Fal
         dtype = jnp.result_type(g)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(
-                f"multi_steps.update: `grads` leaf {where} has dtype {dtype}; expected a"
-                " real floating dtype."
+                f"multi_steps.update: `grads` leaf {where} has dtype {_dtype_name(dtype)};"
+                " expected a real floating dtype." + _FLOAT0_HINT * (dtype == jax.dtypes.float0)
             )
+
+
+_FLOAT0_HINT = (
+    " float0 is the gradient of an integer or bool parameter (allow_int=True): keep such"
+    " leaves out of the differentiated params, or give them a float zero gradient."
+)
+
+
+def _dtype_name(dtype: Any) -> str:
+    """A dtype's name (float0's structured numpy form reads ``[('float0', 'V')]``)."""
+    return "float0" if dtype == jax.dtypes.float0 else str(dtype)
 
 
 def axis_bound(axis_name: AxisName, where: str = "multi_steps", call: str = "update") -> None:
