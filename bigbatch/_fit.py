@@ -125,6 +125,7 @@ def audit_update(
         residual_tolerance=RESIDUAL_RTOL,
         weight_tolerance=WEIGHT_RTOL,
         rounding=float(rounding),
+        update_rounding=_relative(params_rounding, learning_rate * products.update_norm),
         left_out_rows=int(layout.left_out.size),
         verdict_weights=verdict.weights,
         clip_scale=verdict.clip_scale,
@@ -134,6 +135,11 @@ def audit_update(
         max_grad_norm=max_grad_norm,
         clip_tolerance=CLIP_RTOL,
     )
+
+
+def _relative(rounding: float, norm: float) -> float:
+    """``rounding / norm``; inf for a norm of 0, NaN for a NaN one."""
+    return rounding / norm if norm != 0 else math.inf
 
 
 def _form_errors(weights, layout, products, forms) -> tuple[dict[str, float], Any]:

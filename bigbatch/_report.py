@@ -67,6 +67,8 @@ class AuditReport(WindowShape):
       weight_tolerance: the largest relative weight error of a match.
       rounding: the relative rounding of the parameters' dtype against the
         big-batch update (the noise in reading the update back).
+      update_rounding: the same against your loop's own update: near 1 or
+        above, the update is lost in the parameters' rounding.
       left_out_rows: batch rows that were in no cell.
       first_labels: ``[num_devices, k_window]`` rows of each cell whose label at
         position 0 is set, or None (the rows' labels were not known).
@@ -101,6 +103,7 @@ class AuditReport(WindowShape):
     residual_tolerance: float
     weight_tolerance: float
     rounding: float = 0.0
+    update_rounding: float = 0.0
     left_out_rows: int = 0
     first_labels: np.ndarray | None = None
     verdict_weights: np.ndarray | None = None

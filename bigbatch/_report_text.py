@@ -76,6 +76,16 @@ def headline(report: AuditReport) -> str:
         return "your update is not finite (NaN or inf): nothing to fit"
     if not report.moved:
         return "your loop did not change the parameters (did its window close?)"
+    if (
+        report.residual > report.residual_tolerance
+        and report.update_rounding > 0.1 * report.residual
+    ):
+        return (
+            f"your update is within the parameters' rounding ({report.update_rounding:.1e} of"
+            f" it; residual {report.residual:.1e}), too small to read back: a loss scale not"
+            " undone (GradScaler: scaler.unscale_(optimizer) before clipping), or a learning"
+            " rate too small for the audit (learning_rate=)"
+        )
     if report.residual > report.residual_tolerance:
         rounding = (
             LOW_PRECISION_RESIDUAL if report.residual < 10 * report.residual_tolerance else ""
