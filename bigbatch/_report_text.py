@@ -76,24 +76,8 @@ def headline(report: AuditReport) -> str:
         return "your update is not finite (NaN or inf): nothing to fit"
     if not report.moved:
         return "your loop did not change the parameters (did its window close?)"
-    if (
-        report.residual > report.residual_tolerance
-        and report.update_rounding > 0.1 * report.residual
-    ):
-        return (
-            f"your update is within the parameters' rounding ({report.update_rounding:.1e} of"
-            f" it; residual {report.residual:.1e}), too small to read back: a loss scale not"
-            " undone (GradScaler: scaler.unscale_(optimizer) before clipping), or a learning"
-            " rate too small for the audit (learning_rate=)"
-        )
     if report.residual > report.residual_tolerance:
-        rounding = (
-            LOW_PRECISION_RESIDUAL if report.residual < 10 * report.residual_tolerance else ""
-        )
-        return (
-            f"your update is not a reweighting of the micro-batches' gradients (residual"
-            f" {report.residual:.1e}): not plain SGD on an accumulated gradient{rounding}"
-        )
+        return _not_a_reweighting(report)
     if report.verdict == EXACT and report.clipped_once:
         said = _threshold(report)
         if report.clip_kept is False and math.isfinite(report.max_grad_norm):
@@ -127,6 +111,23 @@ def headline(report: AuditReport) -> str:
         return f"your loop weighs every item within {report.max_weight_error:.1e} of the big batch"
     return f"your loop weighs an item of {said[0]} the big batch" + "".join(
         f", one of {other}" for other in said[1:]
+    )
+
+
+def _not_a_reweighting(report: AuditReport) -> str:
+    """The headline of an update that is no reweighting of the cells' gradients: within the
+    parameters' rounding (it can explain the residual), or another kind of update."""
+    if report.update_rounding > 0.1 * report.residual:
+        return (
+            f"your update is within the parameters' rounding ({report.update_rounding:.1e} of"
+            f" it; residual {report.residual:.1e}), too small to read back: a loss scale not"
+            " undone (GradScaler: scaler.unscale_(optimizer) before clipping), or a learning"
+            " rate too small for the audit (learning_rate=)"
+        )
+    rounding = LOW_PRECISION_RESIDUAL if report.residual < 10 * report.residual_tolerance else ""
+    return (
+        f"your update is not a reweighting of the micro-batches' gradients (residual"
+        f" {report.residual:.1e}): not plain SGD on an accumulated gradient{rounding}"
     )
 
 

@@ -83,9 +83,11 @@ def full_table(reports: Sequence[GRPOInvarianceReport]) -> list[str]:
 
 
 def _invariant_text(reports: Sequence) -> str:
-    """``"yes"``, or ``"no (2 of 6 cuts)"``: how many cuts of the group are invariant."""
+    """``"yes"``, or ``"no (invariant in 2 of 6 cuts)"``: the group's cuts that are invariant."""
     invariant = sum(r.invariant for r in reports)
-    return "yes" if invariant == len(reports) else f"**no** ({invariant} of {len(reports)} cuts)"
+    if invariant == len(reports):
+        return "yes"
+    return f"**no** (invariant in {invariant} of {len(reports)} cuts)"
 
 
 def summary_table(reports: Sequence[GRPOInvarianceReport]) -> list[str]:
