@@ -131,8 +131,9 @@ def _assert_bytes_written(results: list[dict], body: str) -> None:
 
 def test_operations_counts_what_runs():
     # a loop (its trip count read from the data) of a fused multiply-add, then an add: the
-    # entry launches the loop and the add, the body its kernels; parameters, tuples and
-    # constants are bookkeeping, never counted
+    # entry launches the loop and the add, the body its kernels (a loop that is not
+    # jaxaccum's boundary: on every call, trips unknown); parameters, tuples, constants and
+    # calls are bookkeeping, never counted
     def f(x):
         y = jax.lax.while_loop(lambda y: y.sum() < 100, lambda y: y * 2 + 1, x)
         return y + x
@@ -140,10 +141,12 @@ def test_operations_counts_what_runs():
     found = hlo.operations(jax.jit(f).lower(np.ones(4, np.float32)).compile().as_text())
     ops = lambda where: sorted(o["op"] for o in found if o["where"] == where)
     assert not {"parameter", "tuple", "constant"} & {o["op"] for o in found}, found
-    # XLA:CPU runs a small loop through a `call` of a computation that holds the `while`
+    # XLA:CPU runs a small loop through a `call` of a computation that holds the `while`:
+    # the called computation runs on the entry's path, the `call` itself launches nothing
     loops = [op for op in ops("entry") if op in ("while", "call")]
-    assert len(loops) == 1 and "fusion" in ops("entry"), found
-    assert "fusion" in ops("loop"), found
+    assert loops == ["while"] and "fusion" in ops("entry"), found
+    assert "fusion" in ops("repeated") and ops("loop") == [], found
+    assert {o["trips"] for o in found if o["where"] == "repeated"} == {None}, found
     # what each writes: a fused kernel its f32[4] result (16 bytes); the loop, nothing of its
     # own (its body's kernels write)
     assert all(o["bytes"] == 16 for o in found if o["op"] == "fusion"), found
@@ -170,6 +173,11 @@ def test_scan(mlp):
 def test_all_reduces_per_window(mlp):
     results = {r["name"]: r for r in comm.jax_counts(mlp, k=K, devices=jax.devices("cpu")[:4])}
     grad_bytes = _common.tree_bytes(mlp.params)  # one float32 gradient
+    # data parallelism needs no collective but all-reduces: no permute, gather or scatter
+    # on any program (a regression that adds one cannot hide behind the all-reduce count)
+    assert {name: r["other_per_window"] for name, r in results.items()} == dict.fromkeys(
+        results, 0
+    ), results
     for mapping in ("pmap", "shard_map"):
         ours = results[f"jaxaccum, {mapping}"]
         theirs = results[f"optax.MultiSteps + pmean, {mapping}"]
