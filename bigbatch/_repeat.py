@@ -80,7 +80,7 @@ def sampled_rounding(old: Sequence, eps: Sequence[float]) -> float:
 
 
 def check_proportional(
-    scaled: list, change: list, rounding: float, carried: str, random: str
+    scaled: list, change: list, rounding: float, carried: str, random: str = "dropout"
 ) -> None:
     """Refuses a loop whose change at ``LR_SCALE`` x the learning rate (``scaled``, the first
     run) is not ``LR_SCALE`` x its change at the learning rate (``change``, the second).

@@ -117,6 +117,9 @@ def headline(report: AuditReport) -> str:
 def _not_a_reweighting(report: AuditReport) -> str:
     """The headline of an update that is no reweighting of the cells' gradients: within the
     parameters' rounding (it can explain the residual), or another kind of update."""
+    # the readback's noise is about update_rounding of the update: from a tenth of the
+    # residual up, it can be the residual (0.55 against 0.02 where a GradScaler's clip came
+    # before unscale_), and "not plain SGD" would send the user the wrong way
     if report.update_rounding > 0.1 * report.residual:
         return (
             f"your update is within the parameters' rounding ({report.update_rounding:.1e} of"

@@ -380,6 +380,7 @@ RAISES = [
     ),
     ("loss_sum_vector", lambda: update(num_items=1.0, loss_sum=jnp.ones(2)), ValueError),
     ("end_window_str", lambda: update(num_items=1.0, end_window="no"), TypeError),
+    ("optax_field_mini_step", lambda: sgd().init(PARAMS).mini_step, AttributeError),
     ("value_of_a_micro_batch", lambda: update(num_items=2.0, value=jnp.array(0.5)), TypeError),
     ("grad_fn_to_the_inner", lambda: update(num_items=2.0, grad_fn=lambda p, b: p), TypeError),
     (

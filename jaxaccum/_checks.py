@@ -119,7 +119,9 @@ def num_items(value: Any) -> None:
         raise TypeError(
             "multi_steps.update: `num_items` is required: the number of items (valid"
             " tokens, or samples) that the summed loss behind `grads` adds up. Pass"
-            " num_items=0 for a micro-batch without any."
+            " num_items=0 for a micro-batch without any. (Flax's"
+            " TrainState.apply_gradients hands its keyword arguments to .replace, not to"
+            " tx.update: call tx.update yourself.)"
         )
     scalar(
         value,
@@ -202,14 +204,14 @@ def inner_extra_args(extra_args: dict, loss_sum: Any) -> None:
 
 def not_accumulating(inner_state: Any) -> Any:
     """Refuses an inner optimizer that accumulates too; returns its state."""
-    accumulating = (optax.MultiStepsState, MultiStepsState)
+    accumulating = (optax.MultiStepsState, optax.ApplyEvery, MultiStepsState)
     nodes = jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(x, accumulating))
     if any(isinstance(x, accumulating) for x in nodes):
         raise TypeError(
-            "multi_steps: `inner` accumulates micro-batches itself (optax.MultiSteps or"
-            " jaxaccum.multi_steps inside it): its window would take the mean of this"
-            " window's means. Pass the optimizer it wraps as `inner`, and give multi_steps"
-            " the micro-batches of the whole window (every_k_schedule)."
+            "multi_steps: `inner` accumulates micro-batches itself (optax.MultiSteps,"
+            " optax.apply_every or jaxaccum.multi_steps inside it): its window would take"
+            " the mean of this window's means. Pass the optimizer it wraps as `inner`, and"
+            " give multi_steps the micro-batches of the whole window (every_k_schedule)."
         )
     return inner_state
 

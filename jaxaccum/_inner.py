@@ -46,10 +46,27 @@ def standard_promotion(tx: optax.GradientTransformation) -> optax.GradientTransf
 
 
 class _WindowLoss:
-    """The type of `WINDOW_LOSS`: one instance, its name as its repr."""
+    """The type of `WINDOW_LOSS`: one instance (copies and pickles are it), its name as its
+    repr; an optimizer outside ``multi_steps`` that reads it as an array gets an error."""
 
     def __repr__(self) -> str:
         return "jaxaccum.WINDOW_LOSS"
+
+    def __reduce__(self) -> str:
+        return "WINDOW_LOSS"  # this module's global: unpickled as the one instance
+
+    def __copy__(self) -> _WindowLoss:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> _WindowLoss:
+        return self
+
+    def __jax_array__(self):
+        raise TypeError(
+            "jaxaccum.WINDOW_LOSS reached an optimizer outside multi_steps (one chained after"
+            " it, say): only multi_steps' inner optimizer gets the window's loss. Put the"
+            " transform that reads `value` inside `inner`."
+        )
 
 
 WINDOW_LOSS = _WindowLoss()

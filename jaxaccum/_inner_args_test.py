@@ -8,7 +8,9 @@ varies over the devices and an inner that accumulates itself are refused.
 
 from __future__ import annotations
 
+import copy
 import functools
+import pickle
 
 import jax
 import jax.numpy as jnp
@@ -168,8 +170,9 @@ def test_constant_and_array_extra_arguments_reach_the_inner_as_given():
         optax.MultiSteps(optax.sgd(0.1), 2).gradient_transformation(),
         jaxaccum.multi_steps(optax.sgd(0.1), 2),
         optax.chain(optax.clip(1.0), optax.MultiSteps(optax.sgd(0.1), 2).gradient_transformation()),
+        optax.chain(optax.apply_every(2), optax.sgd(0.1)),
     ],
-    ids=["optax.MultiSteps", "jaxaccum.multi_steps", "in_a_chain"],
+    ids=["optax.MultiSteps", "jaxaccum.multi_steps", "in_a_chain", "optax.apply_every"],
 )
 def test_an_inner_that_accumulates_itself_is_refused_at_init(inner):
     # its window would average jaxaccum's window means: the mean-of-means bug
@@ -198,3 +201,40 @@ def test_an_extra_argument_that_varies_over_the_devices_is_refused_under_shard_m
     scales = jax.device_put(jnp.arange(DEVICES, dtype=jnp.float32), NamedSharding(mesh, P("data")))
     with pytest.raises(ValueError, match=r"`scale` varies over \['data'\]"):
         jax.jit(step)(PARAMS, jax.jit(init)(PARAMS), scales)
+
+
+def test_window_loss_is_one_object_through_copies_and_pickles():
+    # a config deep-copied or sent to another process keeps its meaning
+    assert copy.deepcopy({"value": jaxaccum.WINDOW_LOSS})["value"] is jaxaccum.WINDOW_LOSS
+    assert pickle.loads(pickle.dumps(jaxaccum.WINDOW_LOSS)) is jaxaccum.WINDOW_LOSS
+
+
+def test_window_loss_read_by_an_optimizer_chained_after_multi_steps_says_where_it_belongs():
+    tx = optax.chain(jaxaccum.multi_steps(optax.sgd(0.1), K), optax.contrib.reduce_on_plateau())
+    with (  # reduce_on_plateau is optax's code: standard promotion
+        jax.numpy_dtype_promotion("standard"),
+        pytest.raises(TypeError, match="reached an optimizer outside multi_steps"),
+    ):
+        tx.update(
+            jax.tree.map(jnp.ones_like, PARAMS), tx.init(PARAMS), PARAMS,
+            num_items=1.0, loss_sum=1.0, value=jaxaccum.WINDOW_LOSS,
+        )  # fmt: skip
+
+
+def test_a_window_whose_loss_is_not_known_is_skipped_without_an_overflow():
+    # a call without loss_sum, then value=WINDOW_LOSS: the inner would read a partial loss, so
+    # the window is skipped (non-finite: its loss is NaN); nothing overflowed, so the loss
+    # scale stays (2**16: powers of two, exact)
+    def inner_update(updates, state, params=None, *, value=None, **extra):
+        return updates, state
+
+    inner = optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), inner_update)
+    tx = jaxaccum.multi_steps(inner, K, loss_scaling=jaxaccum.DynamicLossScale())
+    grads, state = jax.tree.map(jnp.ones_like, PARAMS), tx.init(PARAMS)
+    _, state = tx.update(grads, state, PARAMS, num_items=1.0)
+    _, state = tx.update(
+        grads, state, PARAMS, num_items=1.0, loss_sum=1.0, value=jaxaccum.WINDOW_LOSS
+    )
+    record = jaxaccum.window_metrics(state)
+    assert bool(record.skipped) and int(record.skip_reason) == jaxaccum.SkipReason.NONFINITE
+    assert float(jaxaccum.loss_scale(state)) == 2.0**16

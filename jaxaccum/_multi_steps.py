@@ -78,11 +78,12 @@ def multi_steps(
       takes the gradients of the local SUMMED loss, the items it adds up (valid
       tokens, samples, or a non-negative weight), the summed loss (for the record)
       and a bool, the same on every device, that closes a short window now;
-      ``extra_args`` reach ``inner.update`` at the boundary (the closing call's, the
-      same on every device): ``value=jaxaccum.WINDOW_LOSS`` hands it the window's
-      mean loss (``reduce_on_plateau``, ``polyak_sgd``); a micro-batch's own
-      ``value``, ``grad``, ``value_fn`` or a function are refused. Its updates
-      have ``inner``'s dtypes; an ``inner`` that accumulates too is refused.
+      ``extra_args`` (on every call: ``inner`` is traced on each) reach
+      ``inner.update`` at the boundary (the closing call's, the same on every
+      device): ``value=jaxaccum.WINDOW_LOSS`` hands it the window's mean loss
+      (``reduce_on_plateau``, ``polyak_sgd``); any other ``value``, ``grad``,
+      ``value_fn`` or a function are refused. Its updates have ``inner``'s
+      dtypes; an ``inner`` that accumulates too is refused.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxaccum
@@ -230,11 +231,12 @@ def _close_window(settings, inner, slot, state, params, dynamic):
     )
     nonempty = totals.window_items > 0
     window_loss, window_args = inner.window_args(dynamic, totals.loss, state.loss_known)
-    bad_loss = nonempty & ~jnp.isfinite(window_loss)  # a call without loss_sum adds 0
-    finite = jnp.isfinite(totals.grad_norm) & jnp.isfinite(totals.window_items) & ~bad_loss
+    bad_loss = nonempty & ~jnp.isfinite(totals.loss)  # a call without loss_sum adds 0
+    overflow = ~(jnp.isfinite(totals.grad_norm) & jnp.isfinite(totals.window_items)) | bad_loss
+    finite = ~overflow & ~(nonempty & jnp.isnan(window_loss))  # NaN: WINDOW_LOSS not known
     apply = finite & nonempty
     if settings.nonfinite == "raise":
-        fail = (~finite, state.micro_step, totals.loss, totals.grad_norm)
+        fail = (~finite, state.micro_step, window_loss, totals.grad_norm)
         jax.debug.callback(_checks.raise_if_nonfinite, *fail, partitioned=True)  # every host
     window_grads = jax.tree.map(lambda g, t: g.astype(t.dtype), window_grads, inner.grad_types)
     carry = step_carry(slot, state.inner_state, window_grads, params, window_args)
@@ -244,7 +246,7 @@ def _close_window(settings, inner, slot, state, params, dynamic):
         state.last_window.loss_scale,
         state.good_windows,
         applied=apply,
-        overflow=~finite,
+        overflow=overflow,
     )
     flags = dict(applied=apply, finite=finite, loss_known=state.loss_known, loss_scale=scale)
     record = closed_window(state.last_window, totals, state.micro_step, norm_clipped, **flags)

@@ -144,6 +144,25 @@ class MultiStepsState(NamedTuple):
     num_items: jax.Array
     last_window: WindowMetrics
 
+    def __getattr__(self, name: str) -> Any:
+        """optax.MultiStepsState's field names, answered with jaxaccum's (a port's errors)."""
+        if name in _OPTAX_FIELDS:
+            raise AttributeError(
+                f"MultiStepsState has no `{name}` (optax.MultiStepsState's); jaxaccum's:"
+                f" {_OPTAX_FIELDS[name]}."
+            )
+        raise AttributeError(f"'MultiStepsState' object has no attribute {name!r}")
+
+
+_OPTAX_FIELDS = {
+    "mini_step": "`window_step`, the micro-batches of the open window (0 after a boundary;"
+    " `micro_step` counts every call since init)",
+    "gradient_step": "`jaxaccum.window_metrics(state).update_id`, the updates applied",
+    "inner_opt_state": "`inner_state`",
+    "acc_grads": "`grad_sum`, a SUM of the gradients of summed losses, not a mean",
+    "skip_state": "`jaxaccum.window_metrics(state)`: `skipped`, `skip_reason`",
+}
+
 
 def at_least_float32(dtype: Any) -> jnp.dtype:
     """float64 for float64, else float32: the dtype a loss, its count or an unscaled gradient
