@@ -9,8 +9,9 @@ computations; each instruction sits in one. What matters for accumulation is
   one trip when a window closes and none in between, and the loops in it;
 * ``repeated``: the body of any other while loop (a scan's, a ``fori_loop``'s, a
   zero-or-one-trip loop that is not the window's close): it runs on every call;
-* ``branch_small`` / ``branch_large``: the branches of a conditional, the one
-  with fewer / more instructions (optax.MultiSteps' skip conditional).
+* ``branch_small`` / ``branch_large``: the branches of a conditional of the
+  entry, the one with fewer / more instructions (optax.MultiSteps' skip
+  conditional); a conditional's branches in a loop take the loop's role.
 
 The boundary loop is told by its structure, never by its place alone:
 jaxaccum's ``once_if`` is a loop of zero or one trip (its condition is a
@@ -153,8 +154,9 @@ def roles(hlo_text: str) -> dict[str, tuple[str, int | None]]:
                 inner = "loop" if body in close or role == "loop" else "repeated"
                 n = loop_trips[body]
                 todo.append((body, inner, None if n is None or trips is None else n * trips))
-            elif op == "conditional":
-                todo += [(n, kind, trips) for n, kind in _branches(comps, line)]
+            elif op == "conditional":  # in a loop: each branch as its loop (a count too high)
+                branches = _branches(comps, line)
+                todo += [(n, kind if role == "entry" else role, trips) for n, kind in branches]
     return found
 
 
