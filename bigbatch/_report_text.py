@@ -20,9 +20,17 @@ if TYPE_CHECKING:
     from bigbatch._report import AuditReport
 
 
+ZERO_WEIGHT = 1e-6
+"""A weight below this reads ``0x``: float32 rounding of the fit (a cell dropped by a
+``zero_grad`` inside the window fits at ``-3.7e-08x``; real weights are not that small)."""
+
+
 def _times(weight: float) -> str:
-    """``12.3456 -> '12.3x'``: a weight as a multiple of the big batch's."""
-    return "-" if np.isnan(weight) else f"{weight:#.3g}x"
+    """``12.3456 -> '12.3x'``: a weight as a multiple of the big batch's (``0x`` below
+    `ZERO_WEIGHT`)."""
+    if np.isnan(weight):
+        return "-"
+    return "0x" if abs(weight) < ZERO_WEIGHT else f"{weight:#.3g}x"
 
 
 def _uniform_weight(report: AuditReport) -> float | None:
