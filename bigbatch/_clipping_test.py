@@ -154,6 +154,10 @@ def test_micro_batch_means_clipped_each_are_a_mean_of_means_clipped_per_micro_ba
     assert report.verdict == "clipped_per_micro_batch" and report.clip_base == "mean_of_means"
     assert abs(report.clipped_to - c) <= RTOL * c
     assert "before the clip, a mean_of_means" in str(report), report
+    # the clipped ones are those whose share is above c, told against the mean of means'
+    # weights (not the big batch's: a mean of means weighs a short micro-batch above 1)
+    clipped = [m for m in range(4) if shares[m] > c]
+    assert f"micro-batches {', '.join(map(str, clipped))} clipped to c" in str(report), report
 
 
 def test_per_micro_batch_clipping_needs_two_micro_batches():

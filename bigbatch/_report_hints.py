@@ -136,8 +136,21 @@ def scaled_forms(report: AuditReport) -> list[tuple[str, float]]:
 def divisor_off(report: AuditReport, scale: float) -> str:
     """The causes of weights off by one factor, ``scale``: first the short window's own,
     when there is one (:func:`tail_factor`)."""
-    tail = tail_factor(report, scale)
-    return f"{tail}; or {DIVISOR_OFF}" if tail else DIVISOR_OFF
+    own = tail_factor(report, scale) or device_factor(report, scale)
+    return f"{own}; or {DIVISOR_OFF}" if own else DIVISOR_OFF
+
+
+def device_factor(report: AuditReport, scale: float) -> str:
+    """On ``R`` devices, a factor ``R``: gradients summed over the devices twice (under
+    ``shard_map``, autodiff of replicated parameters sums them already); else ``""``."""
+    devices = report.num_devices
+    if devices > 1 and abs(scale / devices - 1) <= report.weight_tolerance:
+        return (
+            f"that factor is the number of devices, {devices}: the gradient summed over them"
+            " twice (under jax.shard_map, jax.grad with respect to replicated parameters"
+            " already sums over the devices: a psum or pmean on top counts each of them again)"
+        )
+    return ""
 
 
 def tail_factor(report: AuditReport, scale: float) -> str:

@@ -54,7 +54,10 @@ def test_a_known_form_off_by_one_factor_is_named_with_the_factor():
     # gradients summed over the 2 devices twice: every item at 2x, the big batch's times 2
     report = report_of(2.0 * np.ones_like(ITEMS), ITEMS, k=4)
     assert report.summary() == "FAILED, unknown: your loop weighs every item at 2.00x the big batch"
-    assert "verdict: unknown: the big batch's weights times 2: a divisor" in str(report)
+    assert (
+        "verdict: unknown: the big batch's weights times 2: that factor is the number of"
+        " devices, 2: the gradient summed over them twice (under jax.shard_map" in str(report)
+    )
     assert "clip" not in str(report).split("verdict: ")[1].split("\n")[0]  # 2x: no clip does it
     # a zero_grad inside the window: only the last micro-batch reaches the update
     weights = np.zeros_like(ITEMS)
@@ -83,8 +86,9 @@ def test_a_clip_reading_names_the_form_a_factor_above_one_would_give():
     weights = 2.0 * bigbatch.form_weights("mean_of_means", ITEMS, k=4)
     report = report_of(weights, ITEMS, k=4)
     assert report.verdict == "missing_1_over_k" and report.clipped_once
-    assert "the same weights are mean_of_means's times 2: no clip then, but a divisor" in str(
-        report
+    assert (
+        "the same weights are mean_of_means's times 2: no clip then, but that factor is the"
+        " number of devices, 2" in str(report)
     )
 
 

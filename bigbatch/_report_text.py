@@ -7,7 +7,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bigbatch._forms import CLIPPED_PER_MICRO_BATCH, EXACT, FIXES, UNKNOWN, WHAT_IT_DOES
+from bigbatch._forms import (
+    CLIPPED_PER_MICRO_BATCH,
+    EXACT,
+    FIXES,
+    UNKNOWN,
+    WHAT_IT_DOES,
+    form_weights,
+)
 from bigbatch._report_hints import (
     cell_name,
     divisor_off,
@@ -15,6 +22,7 @@ from bigbatch._report_hints import (
     tail_factor,
     unknown_because,
 )
+from bigbatch._tolerances import WEIGHT_RTOL
 
 if TYPE_CHECKING:
     from bigbatch._report import AuditReport
@@ -173,7 +181,11 @@ def content(report: AuditReport) -> tuple[str, list[list[str]], list[str], list[
 def _micro_batch_clip_notes(report: AuditReport, threshold: str) -> list[str]:
     """Which micro-batches ``clipped_per_micro_batch`` cut, to what, and its base form."""
     weights = report.verdict_weights
-    cut = [m for m in range(report.k_window) if np.any(weights[:, m] < 1.0)]
+    base = form_weights(
+        report.clip_base, report.items, k=report.k, first_labels=report.first_labels
+    )
+    below = weights < (1 - WEIGHT_RTOL) * base  # a clipped cell weighs less than its base's
+    cut = [m for m in range(report.k_window) if np.any(below[:, m])]
     whole = len(cut) < report.k_window
     base = report.clip_base
     notes = [

@@ -70,6 +70,9 @@ class _WindowLoss:
 
 
 WINDOW_LOSS = _WindowLoss()
+jax.tree_util.register_pytree_node(  # no leaves: through jit, shard_map and pmap as a constant
+    _WindowLoss, lambda _: ((), None), lambda _aux, _leaves: WINDOW_LOSS
+)
 """``update(..., value=jaxaccum.WINDOW_LOSS)``: the inner optimizer's ``value`` (the
 objective's value, which ``optax.contrib.reduce_on_plateau``, ``optax.polyak_sgd`` and
 ``optax.contrib.momo`` read) is the window's mean loss, the big batch's: the window's
@@ -121,7 +124,16 @@ class InnerCall:
 
     def update_types(self, inner_state: Any, params: Any, dynamic: dict) -> Any:
         """The types of the updates ``tx`` returns (``eval_shape`` traces it, nothing runs)."""
-        return jax.eval_shape(self.update, self.grad_types, inner_state, params, dynamic)[0]
+        try:
+            return jax.eval_shape(self.update, self.grad_types, inner_state, params, dynamic)[0]
+        except TypeError as e:
+            if "'value'" not in str(e) or "value" in {**self.static, **dynamic}:
+                raise
+            raise TypeError(
+                "multi_steps.update: the inner optimizer needs `value` (the objective's value):"
+                " pass value=jaxaccum.WINDOW_LOSS on every call, and it gets the window's mean"
+                f" loss at the boundary. ({e})"
+            ) from e
 
     def step(self, slot: Any, inner_state: Any, window_grads: Any, params: Any, dynamic: dict):
         """The inner update into the slot, in the loop carry's types.

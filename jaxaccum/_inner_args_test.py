@@ -238,3 +238,30 @@ def test_a_window_whose_loss_is_not_known_is_skipped_without_an_overflow():
     record = jaxaccum.window_metrics(state)
     assert bool(record.skipped) and int(record.skip_reason) == jaxaccum.SkipReason.NONFINITE
     assert float(jaxaccum.loss_scale(state)) == 2.0**16
+
+
+def test_window_loss_passes_through_jit_as_an_argument():
+    # a generic step(params, state, batch, **extra) under jit: WINDOW_LOSS is a pytree of no
+    # leaves, a constant of the program; polyak's step, one window: exact in float32 (1e-6)
+    tx = jaxaccum.multi_steps(optax.polyak_sgd(**POLYAK), 1)
+
+    def step(params, state, batch, **extra):
+        (loss_sum, n), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+        updates, state = tx.update(grads, state, params, num_items=n, loss_sum=loss_sum, **extra)
+        return optax.apply_updates(params, updates), state
+
+    batch = jax.tree.map(lambda x: x[0], batches(1)[0])
+    new, _ = jax.jit(step)(PARAMS, tx.init(PARAMS), batch, value=jaxaccum.WINDOW_LOSS)
+    with jax.enable_x64(), jax.numpy_dtype_promotion("standard"):  # the reference, float64
+        as64 = lambda tree: jax.tree.map(lambda x: jnp.asarray(x, jnp.float64), tree)
+        (loss_sum, n), grads = jax.value_and_grad(loss_fn, has_aux=True)(as64(PARAMS), as64(batch))
+        inner = optax.polyak_sgd(**POLYAK)
+        mean = jax.tree.map(lambda g: g / n, grads)
+        want, _ = inner.update(mean, inner.init(as64(PARAMS)), as64(PARAMS), value=loss_sum / n)
+        got = np.asarray(new["w"], np.float64) - np.asarray(PARAMS["w"], np.float64)
+        np.testing.assert_allclose(got, np.asarray(want["w"]), rtol=1e-5, atol=1e-7)
+
+
+def test_an_inner_that_needs_value_without_it_is_told_to_pass_window_loss():
+    with pytest.raises(TypeError, match=r"needs `value`.*pass value=jaxaccum.WINDOW_LOSS"):
+        update({}, inner=optax.polyak_sgd())

@@ -60,7 +60,9 @@ def next_loss_scale(
     """The loss scale and growth tracker after one window.
 
     PyTorch's ``GradScaler.update`` with one window for one step: an overflow
-    (a non-finite window) multiplies the scale by ``backoff_factor`` and resets
+    (a non-finite gradient; a non-finite loss or ``num_items`` is no smaller
+    scale's to cure: the window is skipped, the scale kept) multiplies the scale
+    by ``backoff_factor`` and resets
     the tracker; an applied window adds one to the tracker, and when it reaches
     ``growth_interval`` the scale is multiplied by ``growth_factor`` (unless
     that is not finite in float32) and the tracker resets. A window that is
@@ -72,7 +74,7 @@ def next_loss_scale(
       scale: float32, the scale the window was computed with.
       good_windows: int32, applied windows since the scale last changed.
       applied: bool, the window was applied.
-      overflow: bool, the window was not finite.
+      overflow: bool, the window's gradient was not finite.
 
     Returns:
       ``(scale, good_windows)`` for the next window.

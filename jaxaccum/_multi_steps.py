@@ -231,9 +231,9 @@ def _close_window(settings, inner, slot, state, params, dynamic):
     )
     nonempty = totals.window_items > 0
     window_loss, window_args = inner.window_args(dynamic, totals.loss, state.loss_known)
-    bad_loss = nonempty & ~jnp.isfinite(totals.loss)  # a call without loss_sum adds 0
-    overflow = ~(jnp.isfinite(totals.grad_norm) & jnp.isfinite(totals.window_items)) | bad_loss
-    finite = ~overflow & ~(nonempty & jnp.isnan(window_loss))  # NaN: WINDOW_LOSS not known
+    overflow = ~jnp.isfinite(totals.grad_norm)  # what a smaller loss scale cures (GradScaler)
+    bad_loss = nonempty & ~jnp.isfinite(window_loss)  # NaN too: a WINDOW_LOSS not known
+    finite = ~overflow & jnp.isfinite(totals.window_items) & ~bad_loss  # no loss_sum: adds 0
     apply = finite & nonempty
     if settings.nonfinite == "raise":
         fail = (~finite, state.micro_step, window_loss, totals.grad_norm)
