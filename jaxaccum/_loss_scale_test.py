@@ -154,3 +154,18 @@ def test_bad_loss_scaling_arguments():
         jaxaccum.multi_steps(optax.sgd(0.1), 1, loss_scaling=1024.0)
     with pytest.raises(ValueError, match="nonfinite"):
         jaxaccum.multi_steps(optax.sgd(0.1), 1, nonfinite="ignore")
+
+
+def test_a_non_finite_loss_with_finite_gradients_skips_without_a_backoff():
+    # a float16 loss_sum that overflowed: no smaller loss scale cures it (GradScaler backs off
+    # for a non-finite gradient only); the window is skipped and the scale kept (2**16, exact)
+    tx = jaxaccum.multi_steps(optax.sgd(0.1), 1, loss_scaling=jaxaccum.DynamicLossScale())
+    params = {"w": jnp.zeros(2)}
+    grads, state = jax.tree.map(jnp.ones_like, params), tx.init(params)
+    _, state = tx.update(grads, state, params, num_items=1.0, loss_sum=jnp.float16(jnp.inf))
+    record = jaxaccum.window_metrics(state)
+    assert bool(record.skipped) and int(record.skip_reason) == jaxaccum.SkipReason.NONFINITE
+    assert float(jaxaccum.loss_scale(state)) == 2.0**16
+    grads = jax.tree.map(lambda g: g * jnp.nan, grads)  # a non-finite gradient: backed off
+    _, state = tx.update(grads, state, params, num_items=1.0, loss_sum=1.0)
+    assert float(jaxaccum.loss_scale(state)) == 2.0**15
