@@ -70,13 +70,13 @@ class _WindowLoss:
 
 
 WINDOW_LOSS = _WindowLoss()
-jax.tree_util.register_pytree_node(  # no leaves: through jit, shard_map and pmap as a constant
-    _WindowLoss, lambda _: ((), None), lambda _aux, _leaves: WINDOW_LOSS
-)
 """``update(..., value=jaxaccum.WINDOW_LOSS)``: the inner optimizer's ``value`` (the
 objective's value, which ``optax.contrib.reduce_on_plateau``, ``optax.polyak_sgd`` and
 ``optax.contrib.momo`` read) is the window's mean loss, the big batch's: the window's
 ``loss_sum`` over its ``num_items``, added over every device, at the boundary."""
+jax.tree_util.register_pytree_node(  # no leaves: through jit, shard_map and pmap as a constant
+    _WindowLoss, lambda _: ((), None), lambda _aux, _leaves: WINDOW_LOSS
+)
 
 
 @dataclasses.dataclass(frozen=True)
