@@ -182,7 +182,7 @@ def _micro_batch_clip_notes(report: AuditReport, threshold: str) -> list[str]:
     """Which micro-batches ``clipped_per_micro_batch`` cut, to what, and its base form."""
     weights = report.verdict_weights
     base = form_weights(
-        report.clip_base, report.items, k=report.k, first_labels=report.first_labels
+        report.clip_base or EXACT, report.items, k=report.k, first_labels=report.first_labels
     )
     below = weights < (1 - WEIGHT_RTOL) * base  # a clipped cell weighs less than its base's
     cut = [m for m in range(report.k_window) if np.any(below[:, m])]
