@@ -147,8 +147,9 @@ def device_factor(report: AuditReport, scale: float) -> str:
     if devices > 1 and abs(scale / devices - 1) <= report.weight_tolerance:
         return (
             f"that factor is the number of devices, {devices}: the gradient summed over them"
-            " twice (under jax.shard_map, jax.grad with respect to replicated parameters"
-            " already sums over the devices: a psum or pmean on top counts each of them again)"
+            " twice (an all-reduce on top of one already made: under jax.shard_map, jax.grad"
+            " with respect to replicated parameters sums over the devices itself; in PyTorch,"
+            " DDP averages, so a sum of your own on top counts each rank again)"
         )
     return ""
 

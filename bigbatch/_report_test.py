@@ -56,7 +56,8 @@ def test_a_known_form_off_by_one_factor_is_named_with_the_factor():
     assert report.summary() == "FAILED, unknown: your loop weighs every item at 2.00x the big batch"
     assert (
         "verdict: unknown: the big batch's weights times 2: that factor is the number of"
-        " devices, 2: the gradient summed over them twice (under jax.shard_map" in str(report)
+        " devices, 2: the gradient summed over them twice (an all-reduce on top of one"
+        " already made" in str(report)
     )
     assert "clip" not in str(report).split("verdict: ")[1].split("\n")[0]  # 2x: no clip does it
     # a zero_grad inside the window: only the last micro-batch reaches the update

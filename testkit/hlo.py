@@ -34,7 +34,8 @@ from typing import Any
 
 import numpy as np
 
-COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")  # fmt: skip
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
@@ -275,8 +276,9 @@ def per_window(found: list[dict[str, Any]], *, k: int, accumulating: bool, field
 
     A jaxaccum call between boundaries runs the entry and any loop other than the
     boundary (``repeated``); the call that closes the window also the boundary loop's
-    body once (``accumulating``); optax.MultiSteps runs the entry, its loops and its
-    conditional's large branch on every call.
+    body once (``accumulating``); both count every branch of a conditional of the entry
+    (it may take either: a count never lower than what runs). optax.MultiSteps runs the
+    entry, its loops and its skip conditional's large branch on every call.
     """
 
     def value(c: dict[str, Any]) -> int:
@@ -286,8 +288,8 @@ def per_window(found: list[dict[str, Any]], *, k: int, accumulating: bool, field
 
     total = lambda wheres: sum(value(c) for c in found if c["where"] in wheres)
     if accumulating:
-        micro_step = total({"entry", "repeated", "branch_small"})
-        boundary = total({"entry", "repeated", "loop"})
+        micro_step = total({"entry", "repeated", "branch_small", "branch_large"})
+        boundary = total({"entry", "repeated", "loop", "branch_small", "branch_large"})
     else:
         micro_step = boundary = total({"entry", "repeated", "loop", "branch_large"})
     return {"micro_step": micro_step, "boundary": boundary,

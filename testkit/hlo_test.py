@@ -52,3 +52,21 @@ def test_a_conditional_of_the_inner_update_runs_in_the_boundary_only():
     # a micro-step: the same operations with or without the cond (it is the boundary's)
     assert per_window(with_cond)["micro_step"] == per_window(plain)["micro_step"]
     assert per_window(with_cond)["boundary"] > per_window(plain)["boundary"]
+
+
+def test_a_collective_in_either_branch_of_an_entry_conditional_counts_on_every_call():
+    # a jaxaccum program may take either branch of a conditional on any call: both count
+    # (a count never lower than what runs); here a psum in the larger branch
+    mesh = jax.make_mesh((2,), ("b",), devices=jax.devices()[:2])
+    P = jax.sharding.PartitionSpec
+
+    def body(x, pred):
+        summed = lambda x: jax.lax.pcast(jax.lax.psum(jnp.sin(x) * 2 + 1, "b"), "b", to="varying")
+        return jax.lax.cond(pred, lambda x: x, summed, x)
+
+    mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("b"), P()), out_specs=P("b")))
+    x = jax.device_put(jnp.ones(8), jax.NamedSharding(mesh, P("b")))
+    found = hlo.collectives(mapped.lower(x, True).compile().as_text())
+    assert [c["op"] for c in found] == ["all-reduce"], found
+    counts = hlo.per_window(found, k=K, accumulating=True, field="count")
+    assert counts == {"micro_step": 1, "boundary": 1, "window": K}
