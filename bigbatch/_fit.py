@@ -101,7 +101,7 @@ def audit_update(
     total = float(layout.items.sum())
     condition = _condition(products.gram)
     big_batch = math.sqrt(max(float(products.gram.sum()), 0.0)) / total  # |sum_c G_c| / N
-    rounding = params_rounding / (learning_rate * big_batch) if big_batch > 0 else math.inf
+    rounding = _relative(params_rounding, learning_rate * big_batch)
     check_precision(rounding, learning_rate)
     weights, residual = _fit(products, layout.items)
     errors, per_micro_batch = _form_errors(weights, layout, products, forms)
@@ -138,8 +138,8 @@ def audit_update(
 
 
 def _relative(rounding: float, norm: float) -> float:
-    """``rounding / norm``; inf for a norm of 0, NaN for a NaN one."""
-    return rounding / norm if norm != 0 else math.inf
+    """``rounding / norm``; inf where the norm is not above 0 (none, or NaN)."""
+    return rounding / norm if norm > 0 else math.inf
 
 
 def _form_errors(weights, layout, products, forms) -> tuple[dict[str, float], Any]:

@@ -10,6 +10,7 @@ audit needs. The loops and rows are ``torch_ref/_audit_test.py``'s.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 
 import pytest
@@ -53,14 +54,22 @@ def test_a_loop_that_never_zeroes_its_gradients_is_refused_naming_it(world_size)
         audit(never_zeroed_window, k=K, world_size=world_size)
 
 
-def step_per_microbatch_window(model, optimizer, microbatches):
-    """``loss_sum / N`` per micro-batch, and an SGD step after each: no accumulation."""
+def zero_grad_per_micro_batch_window(model, optimizer, microbatches, step_each=False):
+    """``loss_sum / N`` per micro-batch after a ``zero_grad``: one step at the end (only the
+    last micro-batch's gradient is stepped), or one after each (``step_each``: no
+    accumulation)."""
     n = window_items(microbatches)
     for mb in microbatches:
         optimizer.zero_grad(set_to_none=True)
         loss_sum, _ = loss_fn(model, mb)
         (loss_sum / n).backward()
+        if step_each:
+            optimizer.step()
+    if not step_each:
         optimizer.step()
+
+
+step_per_microbatch_window = functools.partial(zero_grad_per_micro_batch_window, step_each=True)
 
 
 def test_a_loop_that_steps_per_micro_batch_is_refused_at_a_small_learning_rate():
@@ -258,16 +267,6 @@ def test_an_update_within_the_parameters_rounding_is_named_with_a_loss_scale_not
     assert not report.passed and report.update_rounding > 0.1, report  # measured 0.55
     assert "within the parameters' rounding" in report.summary(), report.summary()
     assert "scaler.unscale_(optimizer) before clipping" in report.summary()
-
-
-def zero_grad_per_micro_batch_window(model, optimizer, microbatches):
-    """``zero_grad`` at the top of every micro-batch: only the last one's gradient is stepped."""
-    n = window_items(microbatches)
-    for mb in microbatches:
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum, _ = loss_fn(model, mb)
-        (loss_sum / n).backward()
-    optimizer.step()
 
 
 def test_a_dropped_micro_batch_reads_zero_times_the_big_batch():
